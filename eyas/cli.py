@@ -1,0 +1,38 @@
+"""The `eyas` command line. Each subcommand is a thin typer wrapper owned by its recipe module."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from eyas.recipes import evaluate, export, extract, prepare, regenerate, run, train
+from eyas.utils.io import EyasError
+
+app = typer.Typer(
+    name="eyas",
+    help="Train EAGLE-3 draft models for speculative decoding: prepare -> extract -> train -> export -> eval.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+app.command("prepare", help=prepare.__doc__)(prepare.cli)
+app.command("regenerate", help=regenerate.__doc__)(regenerate.cli)
+app.command("extract", help=extract.__doc__)(extract.cli)
+app.command("train", help=train.__doc__)(train.cli)
+app.command("export", help=export.__doc__)(export.cli)
+app.command("eval", help=evaluate.__doc__)(evaluate.cli)
+app.command("run", help=run.__doc__)(run.cli)
+
+
+def main() -> None:
+    try:
+        app()
+    except EyasError as e:
+        typer.secho(f"eyas: error: {e}", fg=typer.colors.RED, err=True)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

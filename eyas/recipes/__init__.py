@@ -1,0 +1,1 @@
+"""Thin recipes: each composes components (data, engines, store, model, train, export, eval) into a stage."""
