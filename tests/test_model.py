@@ -93,11 +93,11 @@ def _brute_ttt(q, keys, values):
     return out
 
 
-@pytest.mark.parametrize("backend", ["math", "flex"])
-def test_ttt_attention_matches_brute_force(backend):
+@pytest.mark.parametrize(("backend", "steps"), [("math", None), ("flex", None), ("flex", 3), ("flex", 5)])
+def test_ttt_attention_matches_brute_force(backend, steps):
     torch.manual_seed(0)
     B, nh, nkv, T, hd = 2, 4, 2, 24, 16
-    att = TTTAttention(backend)
+    att = TTTAttention(backend, steps=steps)
     keys, values = [], []
     for step in range(3):
         q = torch.randn(B, nh, T, hd)

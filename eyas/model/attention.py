@@ -32,14 +32,17 @@ class TTTAttention:
 
     backend "math" writes the scores out (any device; the reference); "flex" uses
     torch's flex_attention with a block mask (O(T) memory, fast on GPU); "auto" picks flex on CUDA.
+    `steps` (the total number of TTT steps), when given, lets flex see one key length for every
+    step (future steps are zero blocks it skips), so the compiled kernel is built once, not per step.
     """
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: str = "auto", steps: int | None = None) -> None:
         if backend == "auto":
             backend = "flex" if torch.cuda.is_available() and _flex_available() else "math"
         if backend not in ("math", "flex"):
             raise ValueError(f"unknown TTT attention backend {backend!r} (math, flex, auto)")
         self.backend = backend
+        self.steps = steps
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -49,7 +52,7 @@ class TTTAttention:
         if len(self.keys) == 1:
             return causal_attend(q, k, v)
         if self.backend == "flex":
-            return _ttt_flex(q, self.keys, self.values)
+            return _ttt_flex(q, self.keys, self.values, self.steps)
         return _ttt_math(q, self.keys, self.values)
 
 
@@ -81,25 +84,30 @@ def _flex_available() -> bool:
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
+    # One compiled kernel per sequence length (the trainer pads lengths to a few buckets).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.lru_cache(maxsize=64)
-def _ttt_block_mask(T: int, steps: int, device: str):
+@functools.lru_cache(maxsize=256)
+def _ttt_block_mask(T: int, visible_steps: int, total_steps: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
         step, pos = kv_idx // T, kv_idx % T
-        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
+        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (step < visible_steps) & (pos == q_idx))
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T * steps, device=device)
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T * total_steps, device=device)
 
 
-def _ttt_flex(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    T = q.shape[2]
-    k = torch.cat(keys, dim=2)  # [B, nkv, steps*T, hd]
-    v = torch.cat(values, dim=2)
-    block_mask = _ttt_block_mask(T, len(keys), str(q.device))
+def _ttt_flex(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+              total_steps: int | None = None) -> torch.Tensor:
+    T, seen = q.shape[2], len(keys)
+    total = max(total_steps or seen, seen)
+    pad = [torch.zeros_like(keys[0])] * (total - seen)
+    k = torch.cat(keys + pad, dim=2)  # [B, nkv, total*T, hd]
+    v = torch.cat(values + pad, dim=2)
+    block_mask = _ttt_block_mask(T, seen, total, str(q.device))
     flex = _compiled_flex() if q.is_cuda else _eager_flex()
     return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
