@@ -27,6 +27,24 @@ class Capture:
     final: torch.Tensor
 
 
+@dataclass
+class FlatCapture:
+    """Hidden states of a batch, padding removed and sequences concatenated (what the store writes).
+
+    aux:        [N, k*H]  N = sum of the sequence lengths
+    final:      [N, H]
+    cu_seqlens: [B+1]     sequence b is rows [cu_seqlens[b], cu_seqlens[b+1]) (host ints, no device sync)
+    """
+
+    aux: torch.Tensor
+    final: torch.Tensor
+    cu_seqlens: list[int]
+
+    def split(self) -> list[Capture]:
+        cu = self.cu_seqlens
+        return [Capture(self.aux[cu[b]:cu[b + 1]], self.final[cu[b]:cu[b + 1]]) for b in range(len(cu) - 1)]
+
+
 class TargetEngine(ABC):
     """A target model that runs prefill-only forward passes and captures hidden states."""
 
@@ -35,10 +53,19 @@ class TargetEngine(ABC):
     hidden_size: int
     vocab_size: int
     aux_layer_ids: list[int]
+    device: torch.device = torch.device("cpu")  # where capture() leaves its tensors
 
     @abstractmethod
     def capture(self, seqs: list[torch.Tensor]) -> list[Capture]:
         """Run the target on a batch of 1-D token-id tensors; one Capture per sequence, same order."""
+
+    def capture_flat(self, seqs: list[torch.Tensor]) -> FlatCapture:
+        """`capture` with the sequences concatenated; engines override it to skip the per-sequence split."""
+        caps = self.capture(seqs)
+        cu = [0]
+        for c in caps:
+            cu.append(cu[-1] + c.aux.shape[0])
+        return FlatCapture(torch.cat([c.aux for c in caps]), torch.cat([c.final for c in caps]), cu)
 
     @abstractmethod
     def target_head(self) -> TargetHead:
@@ -59,3 +86,32 @@ def validate_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[in
             f"(valid: 0..{num_layers - 1}; id k is the input of decoder layer k)"
         )
     return ids
+
+
+def plan_batches(lengths: list[int], token_budget: int, max_padding: float = 0.2) -> list[list[int]]:
+    """Group sequence indices into batches of at most `token_budget` padded tokens (B * max T).
+
+    Longest first, so the first batch shows at once whether the budget fits in memory, and
+    neighbours have similar lengths. A batch that already holds a quarter of the budget also
+    closes when the next sequence would make more than `max_padding` of it padding: past that
+    size a smaller batch costs less than computing padding. A sequence longer than the budget
+    runs alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        if cur:
+            padded = lengths[cur[0]] * (len(cur) + 1)
+            too_big = padded > token_budget
+            too_padded = padded - real - lengths[i] > max_padding * padded and \
+                lengths[cur[0]] * len(cur) >= token_budget // 4
+            if too_big or too_padded:
+                batches.append(cur)
+                cur, real = [], 0
+        cur.append(i)
+        real += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches

@@ -1,1 +1,13 @@
+"""Speculative decoding evaluation: chain and tree decoding, acceptance metrics, reports and plots."""
 
+from eyas.eval.metrics import BASELINE, MethodStats
+from eyas.eval.prompts import PromptItem, PromptSet, humaneval_set, load_prompt_sets, mtbench_set
+from eyas.eval.runner import EvalResult, evaluate_draft, greedy_acceptance
+from eyas.eval.spec_decode import ChainSpec, Generation, SpeculativeDecoder, TreeSpec, target_generate
+from eyas.eval.target import HFTarget
+
+__all__ = [
+    "BASELINE", "ChainSpec", "EvalResult", "Generation", "HFTarget", "MethodStats", "PromptItem", "PromptSet",
+    "SpeculativeDecoder", "TreeSpec", "evaluate_draft", "greedy_acceptance", "humaneval_set", "load_prompt_sets",
+    "mtbench_set", "target_generate",
+]

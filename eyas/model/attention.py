@@ -30,45 +30,95 @@ class TTTAttention:
     0..t and the keys of steps 1..j at row t itself: exactly what the draft sees at inference when
     it extends row t by j tokens of its own (rotary positions t + j are set by the caller).
 
-    backend "math" writes the scores out (any device; the reference); "flex" uses
-    torch's flex_attention with a block mask (O(T) memory, fast on GPU); "auto" picks flex on CUDA.
-    `steps` (the total number of TTT steps), when given, lets flex see one key length for every
-    step (future steps are zero blocks it skips), so the compiled kernel is built once, not per step.
+    `document_ids` [B, T] (optional) packs several sequences in one row: a query only sees step-0
+    keys of its own document (ids must be contiguous runs; padding gets an id of its own).
+
+    backend "math" writes the scores out (any device; the reference); "flex" runs torch's
+    flex_attention over the step-0 keys only (one causal/document block mask, reused by every step)
+    and merges the few same-row keys of later steps through the returned log-sum-exp, so no key is
+    ever copied or concatenated across steps, and every step calls the same compiled kernel with the
+    same shapes; "auto" picks flex on CUDA. `steps` is accepted for compatibility and not needed.
     """
 
-    def __init__(self, backend: str = "auto", steps: int | None = None) -> None:
+    def __init__(self, backend: str = "auto", steps: int | None = None,
+                 document_ids: torch.Tensor | None = None) -> None:
         if backend == "auto":
             backend = "flex" if torch.cuda.is_available() and _flex_available() else "math"
         if backend not in ("math", "flex"):
             raise ValueError(f"unknown TTT attention backend {backend!r} (math, flex, auto)")
         self.backend = backend
-        self.steps = steps
+        self.document_ids = document_ids
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self._block_mask = None
+        self._dense_mask: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        if len(self.keys) == 1:
-            return causal_attend(q, k, v)
         if self.backend == "flex":
-            return _ttt_flex(q, self.keys, self.values, self.steps)
-        return _ttt_math(q, self.keys, self.values)
+            return self._flex(q)
+        if len(self.keys) == 1:
+            if self.document_ids is None:
+                return causal_attend(q, k, v)
+            mask = self.dense_mask(q.shape[2], q.device)
+            return F.scaled_dot_product_attention(q, _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]),
+                                                  attn_mask=mask)
+        return _ttt_math(q, self.keys, self.values, self.dense_mask(q.shape[2], q.device))
+
+    def dense_mask(self, T: int, device: torch.device) -> torch.Tensor:
+        """[B or 1, 1, T, T] bool: causal, and within the same document when documents are given."""
+        if self._dense_mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+            if self.document_ids is not None:
+                doc = self.document_ids.to(device)
+                mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+            self._dense_mask = mask
+        return self._dense_mask
+
+    def _flex(self, q: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        if self._block_mask is None:
+            self._block_mask = (_causal_block_mask(T, str(q.device)) if self.document_ids is None
+                                else _document_block_mask(self.document_ids.to(q.device)))
+        out, lse = _flex_lse(q, self.keys[0], self.values[0], self._block_mask)
+        if len(self.keys) == 1:
+            return out
+        return _merge_same_row(q, out, lse, self.keys[1:], self.values[1:])
 
 
-def _ttt_math(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def _ttt_math(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+              mask: torch.Tensor) -> torch.Tensor:
     B, nh, T, hd = q.shape
     scale = hd**-0.5
     k0, v0 = _expand_kv(keys[0], nh), _expand_kv(values[0], nh)
     scores = (q @ k0.transpose(-1, -2)).float() * scale  # [B, nh, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     later_k = torch.stack([_expand_kv(k, nh) for k in keys[1:]], dim=-2)  # [B, nh, T, j, hd]
     later_v = torch.stack([_expand_kv(v, nh) for v in values[1:]], dim=-2)
     diag = (q.unsqueeze(-2) * later_k).sum(-1).float() * scale  # [B, nh, T, j]
     probs = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1).to(q.dtype)
     out = probs[..., :T] @ v0  # [B, nh, T, hd]
     return out + (probs[..., T:].unsqueeze(-1) * later_v).sum(-2)
+
+
+def _merge_same_row(q: torch.Tensor, out0: torch.Tensor, lse0: torch.Tensor, keys: list[torch.Tensor],
+                    values: list[torch.Tensor]) -> torch.Tensor:
+    """Add the same-row keys of steps 1..j to attention over the step-0 keys, given its output and
+    log-sum-exp: softmax over [lse0, s_1..s_j] weighs out0 and v_1..v_j. Grouped-query heads are
+    handled by views ([B, g, r, T, hd]), never by copying keys."""
+    B, nh, T, hd = q.shape
+    g = keys[0].shape[1]
+    r = nh // g
+    qg = q.view(B, g, r, T, hd)
+    scores = [lse0.view(B, g, r, T).float()]
+    for k in keys:  # s_i = q . k_i at the same row, [B, g, r, T]
+        scores.append((qg * k.unsqueeze(2)).sum(-1, dtype=torch.float32) * hd**-0.5)
+    w = torch.softmax(torch.stack(scores, dim=-1), dim=-1)  # [B, g, r, T, 1 + j]
+    out = out0.view(B, g, r, T, hd) * w[..., :1]
+    for i, v in enumerate(values, start=1):
+        out = out + v.unsqueeze(2) * w[..., i:i + 1]
+    return out.to(q.dtype).view(B, nh, T, hd)
 
 
 @functools.cache
@@ -84,38 +134,45 @@ def _flex_available() -> bool:
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    # One compiled kernel per sequence length (the trainer pads lengths to a few buckets).
+    # One compiled kernel per sequence length (the trainer pads every batch to one length).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.lru_cache(maxsize=256)
-def _ttt_block_mask(T: int, visible_steps: int, total_steps: int, device: str):
+def _flex_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention returning (out [B, nh, T, hd], natural-log lse [B, nh, T]); compiled on CUDA."""
+    from torch.nn.attention import flex_attention as fa
+
+    flex = _compiled_flex() if q.is_cuda else fa.flex_attention
+    gqa = k.shape[1] != q.shape[1]
+    if hasattr(fa, "AuxRequest"):
+        out, aux = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=fa.AuxRequest(lse=True))
+        return out, aux.lse
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_block_mask(T: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
+    return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
+
+
+def _document_block_mask(document_ids: torch.Tensor):
+    """Causal within each document of `document_ids` [B, T]."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = document_ids
+
     def mask_mod(b, h, q_idx, kv_idx):
-        step, pos = kv_idx // T, kv_idx % T
-        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (step < visible_steps) & (pos == q_idx))
+        return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T * total_steps, device=device)
-
-
-def _ttt_flex(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-              total_steps: int | None = None) -> torch.Tensor:
-    T, seen = q.shape[2], len(keys)
-    total = max(total_steps or seen, seen)
-    pad = [torch.zeros_like(keys[0])] * (total - seen)
-    k = torch.cat(keys + pad, dim=2)  # [B, nkv, total*T, hd]
-    v = torch.cat(values + pad, dim=2)
-    block_mask = _ttt_block_mask(T, seen, total, str(q.device))
-    flex = _compiled_flex() if q.is_cuda else _eager_flex()
-    return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
-
-
-def _eager_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention
+    B, T = doc.shape
+    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=str(doc.device))
 
 
 class KVCache:

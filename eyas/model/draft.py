@@ -60,14 +60,22 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        B, T, _ = x.shape  # x: [B, T, 2H]
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H] -> q [B, nh, T, hd], k and v [B, nkv, T, hd], rotary applied."""
+        B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v)  # [B, nh, T, hd]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """attention output [B, nh, T, hd] -> [B, T, H]."""
+        B, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        return self.output(attend(*self.project(x, cos, sin)))
 
 
 class DraftMLP(nn.Module):
@@ -90,11 +98,21 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
+    # The layer in two halves around the attention call, so that a trainer can compile each half
+    # (static shapes, no Python state) and keep the attention pattern outside.
+    def attention_inputs(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        return self.self_attn.project(x, cos, sin)
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H], attention output [B, nh, T, hd] -> the layer's output [B, T, H]."""
+        hidden = hidden + self.self_attn.output(attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attend: Attend) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        hidden = hidden + self.self_attn(x, cos, sin, attend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return self.finish(hidden, attend(*self.attention_inputs(emb, hidden, cos, sin)))
 
 
 class Eagle3Draft(nn.Module):

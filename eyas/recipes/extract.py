@@ -1,9 +1,375 @@
-"""(not built yet)"""
+"""Run the target over a prepared dataset and store its hidden states (aux layers + final) for training.
+
+The store (sharded safetensors + manifest.json with per-shard sha256) is written into OUT.partial/
+and renamed to OUT when complete. A killed run resumes where it stopped when the same command is
+run again; a run with the same inputs and options reuses a finished store. Before it starts it
+prints the disk it needs and refuses when free space is short.
+
+Under torchrun every rank extracts a disjoint share of the shards into the same store (which must
+be on a shared filesystem across nodes) and rank 0 writes the one manifest:
+
+    torchrun --nproc-per-node 8 -m eyas.cli extract --prepared data/prepared --out data/hidden
+"""
 
 from __future__ import annotations
 
-from eyas.recipes._unbuilt import not_built
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import typer
+
+from eyas.engines.base import TargetEngine, default_aux_layer_ids, plan_batches, validate_aux_layer_ids
+from eyas.store.store import (
+    HiddenStore,
+    ShardBuffer,
+    ShardSpec,
+    StoreMeta,
+    StoreWriter,
+    check_disk_for,
+    load_plan,
+    partial_dir,
+    plan_shards,
+    prepare_partial,
+    quantize_fp8,
+    verify_store,
+)
+from eyas.utils.io import EyasError, human_bytes, read_json, sha256_file, sha256_json
+from eyas.utils.progress import progress_bar
 
 
-def cli() -> None:
-    not_built("extract")
+def parse_layer_ids(text: str | list[int] | None) -> list[int] | None:
+    """'2,15,27' -> [2, 15, 27]; '' / None -> None (the EAGLE-3 default)."""
+    if text is None or text == "" or text == []:
+        return None
+    if isinstance(text, (list, tuple)):
+        return [int(x) for x in text]
+    try:
+        return [int(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError as e:
+        raise EyasError(f"--aux-layers must be comma-separated integers like 2,15,27 (got {text!r})") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed: plain torchrun env vars; a gloo group only for barriers (no tensors move between ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+class Ranks:
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.group = None
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", timeout=timedelta(hours=48))
+                self.group = None
+            elif dist.get_backend() != "gloo":
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(hours=48))
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            typer.echo(msg, err=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# target facts from its config (no weights loaded: an up-to-date store is reused in a second)
+# ---------------------------------------------------------------------------------------------
+
+
+def target_facts(model: str | Any, aux_layer_ids: list[int] | None, trust_remote_code: bool = False) -> dict:
+    from eyas.model.config import target_config_sha256
+
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise EyasError(f"cannot read the config of target '{model}': {e}") from e
+    else:
+        config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = int(text.num_hidden_layers)
+    ids = validate_aux_layer_ids(default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids, n)
+    return {"config": config, "num_layers": n, "aux_layer_ids": ids, "hidden_size": int(text.hidden_size),
+            "config_sha256": target_config_sha256(config)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline: capture on the device, copy into the shard's host buffer on a side stream,
+# write from a thread; the host never waits for the device inside the loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _runs(batch: list[int], cu: list[int], offsets: np.ndarray) -> list[tuple[int, int, int]]:
+    """(src_row, dst_row, rows) copies for a batch, merging samples that are contiguous both in the
+    flat capture and in the shard (the common case of equal lengths): one copy instead of many."""
+    runs: list[list[int]] = []
+    for b, local in enumerate(batch):
+        src, dst, n = cu[b], int(offsets[local]), cu[b + 1] - cu[b]
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1][2] += n
+        else:
+            runs.append([src, dst, n])
+    return [tuple(r) for r in runs]
+
+
+@torch.no_grad()
+def fill_shard(engine: TargetEngine, buf: ShardBuffer, seqs: list[torch.Tensor], token_budget: int, fp8: bool,
+               copy_stream: Any = None, on_batch: Callable[[int, int], None] | None = None) -> Any:
+    """Capture every sample of one shard into `buf`. Returns a CUDA event marking the copies' end (None on CPU)."""
+    k = len(engine.aux_layer_ids)
+    cuda = copy_stream is not None
+    nonfinite = torch.zeros((), dtype=torch.int64, device=engine.device)
+    lengths = [int(s.shape[0]) for s in seqs]
+    for batch in plan_batches(lengths, token_budget):
+        flat = engine.capture_flat([seqs[i] for i in batch])
+        aux, final = flat.aux, flat.final  # [N, k*H], [N, H] on the engine's device
+        nonfinite += (~torch.isfinite(final)).sum() + (~torch.isfinite(aux)).sum()
+        if fp8:
+            aux, aux_s = quantize_fp8(aux, k)
+            final, final_s = quantize_fp8(final, 1)
+            pairs = [(aux, buf.aux), (final, buf.final), (aux_s, buf.aux_scale), (final_s, buf.final_scale)]
+        else:
+            pairs = [(aux.to(torch.bfloat16), buf.aux), (final.to(torch.bfloat16), buf.final)]
+        runs = _runs(batch, flat.cu_seqlens, buf.offsets)
+        if cuda:
+            copy_stream.wait_stream(torch.cuda.current_stream(engine.device))
+            with torch.cuda.stream(copy_stream):
+                for src, dst in pairs:
+                    for a, o, n in runs:
+                        dst[o:o + n].copy_(src[a:a + n], non_blocking=True)
+                    src.record_stream(copy_stream)  # keep the allocator off it until the copy ran
+        else:
+            for src, dst in pairs:
+                for a, o, n in runs:
+                    dst[o:o + n].copy_(src[a:a + n])
+        if on_batch is not None:
+            on_batch(len(batch), flat.cu_seqlens[-1])
+    if not cuda:
+        buf.nonfinite.copy_(nonfinite)
+        return None
+    copy_stream.wait_stream(torch.cuda.current_stream(engine.device))
+    with torch.cuda.stream(copy_stream):
+        buf.nonfinite.copy_(nonfinite.reshape(1), non_blocking=True)
+        nonfinite.record_stream(copy_stream)
+    event = torch.cuda.Event(blocking=True)  # the writer thread sleeps on it instead of spinning a core
+    event.record(copy_stream)
+    return event
+
+
+def extract_shards(engine: TargetEngine, dataset: Any, writer: StoreWriter, shards: list[ShardSpec],
+                   token_budget: int, progress: Any = None, task: Any = None) -> int:
+    """Fill and submit `shards` in order; returns the number of tokens captured."""
+    fp8 = writer.meta.fp8
+    copy_stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+    tokens = 0
+
+    def on_batch(samples: int, ntok: int) -> None:
+        nonlocal tokens
+        tokens += ntok
+        if progress is not None:
+            progress.update(task, advance=samples, tokens=tokens)
+
+    for shard in shards:
+        buf = writer.acquire(shard)
+        items = [dataset[i] for i in range(shard.first_sample, shard.first_sample + shard.num_samples)]
+        seqs = [it["input_ids"] for it in items]
+        if sum(int(s.shape[0]) for s in seqs) != shard.num_tokens:
+            raise EyasError(f"samples {shard.first_sample}.. of the prepared dataset changed length since the plan "
+                            f"in {writer.partial} was made: delete that folder and rerun")
+        n = shard.num_tokens
+        buf.input_ids[:n] = torch.cat(seqs).to(torch.int32)
+        buf.loss_mask[:n] = torch.cat([it["loss_mask"] for it in items]).to(torch.uint8)
+        ready = fill_shard(engine, buf, seqs, token_budget, fp8, copy_stream, on_batch)
+        writer.submit(buf, ready)
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage
+# ---------------------------------------------------------------------------------------------
+
+
+def default_token_budget(device: torch.device, hidden_size: int) -> int:
+    """16k tokens per forward for an 8B-sized target on a GPU; more for small targets, which would
+    otherwise spend their time launching kernels; 4k on a CPU."""
+    if device.type != "cuda":
+        return 4096
+    return min(65536, 16384 * max(1, 4096 // max(1, hidden_size)))
+
+
+def run_extract(
+    prepared: str | os.PathLike,
+    out: str | os.PathLike,
+    model: str | Any = "smollm2",
+    engine: str = "hf",
+    aux_layer_ids: list[int] | None = None,
+    dtype: str = "auto",
+    token_budget: int = 0,
+    max_samples: int = 0,
+    fp8: bool = False,
+    tp: int = 1,
+    device: str = "auto",
+    device_map: str | None = None,
+    shard_mb: float = 512,
+    trust_remote_code: bool = False,
+    dataset: Any = None,
+    engine_obj: TargetEngine | None = None,
+    on_shard: Callable[[ShardSpec], None] | None = None,
+    stats: dict | None = None,
+) -> Path:
+    """Extract hidden states into the store at `out` (or reuse an up-to-date one). Returns `out`.
+
+    `dataset` (anything with len, .lengths and [i] -> {input_ids, loss_mask}) overrides reading
+    `prepared`; `engine_obj` overrides building an engine; `on_shard` is called after each shard
+    is on disk (tests use it to simulate a crash); `stats` receives this rank's tokens, seconds
+    (first batch to last shard on disk), bytes written and total seconds (benchmarks read it).
+    """
+    t_start = time.perf_counter()
+    from eyas.assets import resolve_model
+
+    out = Path(out)
+    ranks = Ranks()
+    if dataset is None:
+        from eyas.data.prepared import PreparedDataset
+
+        dataset = PreparedDataset(prepared)
+    mfile = Path(prepared) / "manifest.json" if prepared else None
+    prepared_sha = sha256_file(mfile) if mfile is not None and mfile.is_file() else sha256_json(
+        np.asarray(dataset.lengths).tolist())
+    target = resolve_model(model) if isinstance(model, str) else model
+    if engine_obj is not None:  # an engine built by the caller decides the target and the layers
+        target_name = getattr(engine_obj, "model_name", str(model))
+        facts = target_facts(getattr(engine_obj, "model", target), engine_obj.aux_layer_ids, trust_remote_code)
+    else:
+        target_name = target if isinstance(target, str) else type(target).__name__
+        facts = target_facts(target, aux_layer_ids, trust_remote_code)
+    n = len(dataset) if not max_samples else min(max_samples, len(dataset))
+    if n == 0:
+        raise EyasError(f"{prepared}: the prepared dataset has no samples")
+    lengths = np.asarray(dataset.lengths, dtype=np.int64)[:n]
+    store_dtype = "float8_e4m3fn" if fp8 else "bfloat16"
+    options = {"prepared_sha256": prepared_sha, "target": target_name, "target_config_sha256": facts["config_sha256"],
+               "aux_layer_ids": facts["aux_layer_ids"], "dtype": store_dtype, "compute_dtype": str(dtype),
+               "num_samples": n, "engine": engine, "shard_mb": float(shard_mb)}
+    options_sha = sha256_json(options)
+
+    if (out / "manifest.json").is_file() and read_json(out / "manifest.json").get("options_sha256") == options_sha:
+        ranks.log(f"store {out} is up to date (same inputs and options): reusing it")
+        return out
+
+    vocab = int(getattr(facts["config"].get_text_config() if hasattr(facts["config"], "get_text_config")
+                        else facts["config"], "vocab_size", 0))
+    meta = StoreMeta(target=target_name, target_config_sha256=facts["config_sha256"], num_layers=facts["num_layers"],
+                     aux_layer_ids=facts["aux_layer_ids"], hidden_size=facts["hidden_size"], vocab_size=vocab,
+                     dtype=store_dtype, prepared=str(Path(prepared).resolve()) if prepared else "",
+                     prepared_sha256=prepared_sha, norm_eps=0.0, options_sha256=options_sha)
+    shard_bytes = max(1, int(shard_mb * (1 << 20)))
+    if ranks.rank == 0:
+        plan = prepare_partial(out, meta, plan_shards(lengths, meta.bytes_per_token(), shard_bytes, ranks.world))
+    ranks.barrier()
+    if ranks.rank != 0:
+        plan = load_plan(out)
+
+    # the engine: built after the cheap checks, so a bad option fails in a second, not after loading 100 GB
+    eng = engine_obj
+    if eng is None:
+        from eyas.engines import load_engine
+
+        kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+        if engine == "hf":
+            kw["device_map"] = device_map
+        eng = load_engine(engine, target, aux_layer_ids=facts["aux_layer_ids"], dtype=dtype,
+                          device=device, tp=tp, **kw)
+    budget = token_budget or default_token_budget(getattr(eng, "device", torch.device("cpu")), facts["hidden_size"])
+    pin = getattr(eng, "device", torch.device("cpu")).type == "cuda"
+    writer = StoreWriter(out, meta, lengths, plan, ranks.rank, ranks.world, pin=pin, on_shard=on_shard)
+    try:
+        if ranks.rank == 0:
+            check_disk_for(writer, ranks.log)
+        todo = writer.todo()
+        done_before = sum(1 for s in plan if writer.done(s))
+        if done_before:
+            ranks.log(f"resuming: {done_before}/{len(plan)} shards already written in {partial_dir(out)}")
+        t0 = time.perf_counter()
+        with progress_bar() as progress:
+            task = progress.add_task(f"extract[{ranks.rank}]" if ranks.world > 1 else "extract",
+                                     total=sum(s.num_samples for s in todo), tokens=0, info="")
+            tokens = extract_shards(eng, dataset, writer, todo, budget, progress, task)
+            progress.update(task, info="writing")
+            writer.close()
+        dt = time.perf_counter() - t0
+    except BaseException:
+        writer.abort()  # finished shards stay in OUT.partial for the resume
+        raise
+    typer.echo(f"rank {ranks.rank}: {tokens:,} tokens in {dt:.1f}s ({tokens / max(dt, 1e-9):,.0f} tok/s), "
+               f"{human_bytes(writer.bytes_written)} written", err=True)
+    ranks.barrier()
+    if ranks.rank == 0:
+        head = eng.target_head()
+        meta.norm_eps, meta.norm_offset, meta.embed_scale = head.norm_eps, head.norm_offset, head.embed_scale
+        meta.vocab_size = head.vocab_size
+        writer.finalize(head)
+        ranks.log(f"store {out}: {n} samples, {int(lengths.sum()):,} tokens, {len(plan)} shards")
+    ranks.barrier()
+    if engine_obj is None:
+        eng.close()
+    if stats is not None:
+        stats.update(tokens=tokens, seconds=dt, bytes=writer.bytes_written,
+                     total_seconds=time.perf_counter() - t_start)
+    return out
+
+
+def cli(
+    prepared: Path = typer.Option(None, "--prepared", help="Prepared dataset folder (from `eyas prepare`)."),
+    model: str = typer.Option("smollm2", "--model", help="Target: a transformers folder, a hub id in the local "
+                              "cache, or 'smollm2' (the embedded default). [default: smollm2]"),
+    out: Path = typer.Option(..., "--out", help="Store folder to write (OUT.partial/ holds an unfinished run)."),
+    engine: str = typer.Option("hf", "--engine", help="Target engine: hf (transformers) or vllm. [default: hf]"),
+    aux_layers: str = typer.Option("", "--aux-layers", help="Comma-separated aux layer ids (id k = input of decoder "
+                                   "layer k). [default: EAGLE-3's 2,N//2,N-3]"),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bfloat16), bfloat16, float32. States are "
+                              "stored as bfloat16 (or fp8). [default: auto]"),
+    token_budget: int = typer.Option(0, "--token-budget", help="Padded tokens per forward batch; 0 = 16384 on GPU "
+                                     "(up to 65536 for small targets), 4096 on CPU. [default: 0]"),
+    max_samples: int = typer.Option(0, "--max-samples", help="Extract only the first N samples; 0 = all. [default: 0]"),
+    verify: bool = typer.Option(False, "--verify", help="Check every shard's sha256 against the manifest (alone, "
+                                "with just --out, or after extracting). [default: off]"),
+    fp8: bool = typer.Option(False, "--fp8", help="Store float8_e4m3fn with per-token scales (half the disk). "
+                             "[default: off]"),
+    tp: int = typer.Option(1, "--tp", help="Tensor parallel size (vllm engine). [default: 1]"),
+    device: str = typer.Option("auto", "--device", help="auto (this rank's GPU, else CPU), cpu, cuda:N. [default: auto]"),
+    device_map: str = typer.Option("", "--device-map", help="'auto' spreads a large target over this node's GPUs "
+                                   "(hf engine). [default: none]"),
+    shard_mb: float = typer.Option(512, "--shard-mb", help="Target shard size in MiB. [default: 512]"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Let transformers run the model "
+                                           "repository's code. [default: off]"),
+) -> None:
+    if prepared is not None:
+        run_extract(prepared, out, model=model, engine=engine, aux_layer_ids=parse_layer_ids(aux_layers),
+                    dtype=dtype, token_budget=token_budget, max_samples=max_samples, fp8=fp8, tp=tp,
+                    device=device, device_map=device_map or None, shard_mb=shard_mb,
+                    trust_remote_code=trust_remote_code)
+    elif not verify:
+        raise EyasError("give --prepared DIR to extract (or --verify to check an existing store at --out)")
+    if verify and int(os.environ.get("RANK", "0")) == 0:
+        if not (Path(out) / "manifest.json").is_file():
+            raise EyasError(f"{out}/manifest.json not found: nothing to verify")
+        checked = verify_store(out)
+        store = HiddenStore(out)
+        typer.echo(f"store {out}: {checked} files OK ({len(store)} samples, {store.num_tokens:,} tokens)", err=True)

@@ -1,9 +1,356 @@
-"""(not built yet)"""
+"""Turn chat data into training samples: the target's chat template, tokens, and a mask on assistant tokens.
+
+INPUTS are chat files (ShareGPT .json/.jsonl, OpenAI `messages` .jsonl, .parquet/.arrow, a folder saved
+with `datasets`), a hub dataset name (owner/name), or the embedded data `sharegpt` / `dummy`.
+Each conversation is rendered with the --model tokenizer's own chat template; the loss mask covers
+exactly the assistant replies plus their end-of-turn token. Bad rows are skipped and counted by
+reason with examples (file:line); a file that cannot be read stops the job (exit code 2) and leaves
+no output. A second run with the same inputs and options reuses the output.
+
+    eyas prepare sharegpt --model smollm2 --out data/prepared --show 2
+"""
 
 from __future__ import annotations
 
-from eyas.recipes._unbuilt import not_built
+import functools
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from eyas.data.chat import ChatEncoder
+from eyas.data.prepared import FORMAT, SHARD_TOKENS, PreparedDataset, PreparedWriter
+from eyas.data.readers import BadRow, Row, SkipLog, Source, resolve_input
+from eyas.utils.io import EyasError, atomic_path, read_json, sha256_json
+from eyas.utils.progress import progress_bar
+
+MASK_VERSION = 1  # bump when the mask algorithm changes: old outputs are then rebuilt, not reused
+CHUNK_ROWS = 256  # conversations per task: one batched tokenization call each
+console = Console(stderr=True)
 
 
-def cli() -> None:
-    not_built("prepare")
+@dataclass
+class PrepareConfig:
+    inputs: list[str]
+    model: str = "smollm2"
+    out: Path = Path("data/prepared")
+    max_length: int = 2048
+    overlong: str = "truncate"  # truncate | drop
+    max_samples: int | None = None
+    num_workers: int | None = None  # None: one per CPU core
+    chat_template: Path | None = None  # a Jinja file replacing the tokenizer's template
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    force: bool = False
+    shard_tokens: int = SHARD_TOKENS
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model: str) -> tuple[Any, str]:
+    """The target's tokenizer from an alias, a local folder or a hub id; returns (tokenizer, resolved)."""
+    from eyas.assets import resolve_model
+
+    resolved = resolve_model(model)
+    try:
+        return _tokenizer(resolved), resolved
+    except Exception as e:  # OSError (not found / offline), ValueError (not a tokenizer), ...
+        raise EyasError(f"cannot load the tokenizer of '{model}' ({type(e).__name__}: {str(e)[:300]}). "
+                        "Pass a local model folder or a hub id available offline.") from e  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(resolved: str) -> Any:
+    """Loaded once per process (the pipeline and --show ask again); never modified after loading."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolved)
+
+
+def vocab_size_of(tokenizer: Any, model: str) -> int:
+    """The target's vocabulary (config.vocab_size may pad beyond the tokenizer's size)."""
+    n = len(tokenizer)
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model)
+        n = max(n, int(getattr(cfg.get_text_config(), "vocab_size", 0) or 0))
+    except Exception:  # a tokenizer-only folder: the tokenizer's size is all we know
+        pass
+    return n
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return sha256_json(backend.to_str())
+    return sha256_json(sorted(tokenizer.get_vocab().items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers: each encodes chunks of rows; results come back in order
+# ---------------------------------------------------------------------------------------------
+
+_ENCODER: ChatEncoder | None = None
+
+
+def _init_worker(encoder: ChatEncoder) -> None:
+    global _ENCODER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _ENCODER = encoder
+
+
+@dataclass
+class ChunkResult:
+    """Encoded chunk: samples concatenated, plus each row's outcome in input order."""
+
+    input_ids: np.ndarray  # int32 [N_tok]
+    loss_mask: np.ndarray  # uint8 [N_tok]
+    outcomes: list[tuple]  # ("ok", length, truncated) | ("skip", reason, where, detail)
+
+
+def encode_rows(rows: list[Row], encoder: ChatEncoder | None = None) -> ChunkResult:
+    encoder = encoder or _ENCODER
+    assert encoder is not None
+    todo = [r for r in rows if r.skip is None]
+    encoded = iter(encoder.encode_batch([r.messages for r in todo]))
+    ids, masks, outcomes = [], [], []
+    for r in rows:
+        if r.skip is not None:
+            outcomes.append(("skip", r.skip, r.where, r.detail))
+            continue
+        e = next(encoded)
+        if isinstance(e, BadRow):
+            outcomes.append(("skip", e.reason, r.where, e.detail))
+        else:
+            ids.append(e.input_ids)
+            masks.append(e.loss_mask)
+            outcomes.append(("ok", len(e.input_ids), e.truncated))
+    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))  # noqa: E731
+    return ChunkResult(cat(ids, np.int32), cat(masks, np.uint8), outcomes)
+
+
+def _chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
+    chunk: list[Row] = []
+    for r in rows:
+        chunk.append(r)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_workers: int) -> Iterator[ChunkResult]:
+    """encode_rows over chunks, in order, with at most 2 chunks in flight per worker (bounded memory)."""
+    if num_workers <= 1:
+        for c in chunks:
+            yield encode_rows(c, encoder)
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(num_workers, initializer=_init_worker, initargs=(encoder,)) as pool:
+        pending: deque = deque()
+        for c in chunks:
+            pending.append(pool.apply_async(encode_rows, (c,)))
+            if len(pending) >= 2 * num_workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _rows(sources: list[Source]) -> Iterator[Row]:
+    """Rows of every source in order; a source with no readable row at all is an error, not a skip."""
+    for src in sources:
+        n_rows = n_readable = 0
+        for row in src.rows():
+            n_rows += 1
+            n_readable += row.skip not in ("not_json", "not_utf8")
+            yield row
+        if n_readable == 0:
+            what = "is empty" if n_rows == 0 else f"has no readable row ({n_rows:,} rows are not JSON/UTF-8)"
+            raise EyasError(f"{src.spec} {what}. Give ShareGPT or OpenAI-style chat data (JSON, JSONL, parquet).")
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def prepare(cfg: PrepareConfig) -> Path:
+    """Run the stage; returns the output folder (reused when inputs and options are unchanged)."""
+    if cfg.overlong not in ("truncate", "drop"):
+        raise EyasError(f"--overlong must be 'truncate' or 'drop', not {cfg.overlong!r}")
+    if cfg.max_samples is not None and cfg.max_samples < 1:
+        raise EyasError(f"--max-samples must be at least 1, not {cfg.max_samples}")
+    if cfg.max_length < 2:
+        raise EyasError(f"--max-length must be at least 2, not {cfg.max_length}")
+    if not cfg.inputs:
+        raise EyasError("no inputs: give chat files or dataset names, e.g. `eyas prepare sharegpt`")
+    out = Path(cfg.out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file())):
+        raise EyasError(f"--out {out} exists and is not a prepared dataset; refusing to replace it. "
+                        "Choose another --out or remove it.")  # fmt: skip
+    sources = [resolve_input(name) for name in cfg.inputs]  # fails fast on a missing file
+    tokenizer, resolved = load_tokenizer(cfg.model)
+    template = None
+    if cfg.chat_template is not None:
+        try:
+            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise EyasError(f"cannot read --chat-template {cfg.chat_template}: {e.strerror or e}") from e
+    try:
+        encoder = ChatEncoder(tokenizer, template, cfg.template_kwargs, cfg.max_length, cfg.overlong)
+    except ValueError as e:  # no chat template
+        raise EyasError(f"'{cfg.model}' has no chat template ({e}). Pass one with --chat-template FILE.") from e
+    template_sha = sha256_json(encoder.chat_template)
+    options_sha = sha256_json({
+        "format": FORMAT, "mask_version": MASK_VERSION, "inputs": [s.fingerprint() for s in sources],
+        "tokenizer": tokenizer_sha256(tokenizer), "chat_template": template_sha,
+        "template_kwargs": cfg.template_kwargs, "max_length": cfg.max_length, "overlong": cfg.overlong,
+        "max_samples": cfg.max_samples,
+    })  # fmt: skip
+    manifest_path = out / "manifest.json"
+    if not cfg.force and manifest_path.is_file():
+        old = read_json(manifest_path)
+        if old.get("options_sha256") == options_sha and old.get("format") == FORMAT:
+            console.print(f"[green]✓ prepare[/] {out} is up to date ({old['num_samples']:,} samples, "
+                          f"{old['num_tokens']:,} tokens): reused")  # fmt: skip
+            return out
+
+    vocab_size = vocab_size_of(tokenizer, resolved)
+    workers = cfg.num_workers if cfg.num_workers is not None else default_workers()
+    log = SkipLog()
+    truncated = n_rows = 0
+    t0 = time.perf_counter()
+    with atomic_path(out) as tmp:
+        writer = PreparedWriter(tmp, vocab_size, cfg.shard_tokens)
+        results = _encoded_chunks(_chunks(_rows(sources), CHUNK_ROWS), encoder, workers)
+        try:
+            with progress_bar() as bar:
+                task = bar.add_task("prepare", total=cfg.max_samples, tokens=0, info="")
+                for res in results:
+                    lengths, full = [], False
+                    for outcome in res.outcomes:
+                        if outcome[0] == "skip":
+                            log.add(*outcome[1:])
+                        elif cfg.max_samples is not None and writer.num_samples + len(lengths) >= cfg.max_samples:
+                            full = True
+                            break
+                        else:
+                            lengths.append(outcome[1])
+                            truncated += outcome[2]
+                        n_rows += 1
+                    n = sum(lengths)  # the chunk's kept samples come first in its arrays
+                    writer.add_many(res.input_ids[:n], res.loss_mask[:n], np.array(lengths, dtype=np.int64))
+                    bar.update(task, completed=writer.num_samples, tokens=writer.num_tokens,
+                               info=f"{log.total:,} skipped")  # fmt: skip
+                    if full:
+                        break
+        finally:
+            results.close()  # stops the workers (e.g. when --max-samples cut the input short)
+        if writer.num_samples == 0:
+            raise EyasError("no usable conversation in the inputs. Skipped rows:\n" + "\n".join(log.lines()))
+        manifest = writer.finish(
+            tokenizer=resolved, chat_template_sha256=template_sha, max_length=cfg.max_length,
+            overlong=cfg.overlong, skipped=dict(log.counts), truncated=truncated, options_sha256=options_sha,
+            sources=[s.name for s in sources], skipped_examples=log.examples, rows_read=n_rows,
+            seconds=round(time.perf_counter() - t0, 2),
+        )  # fmt: skip
+    _summary(out, manifest, log, time.perf_counter() - t0)
+    return out
+
+
+def _summary(out: Path, m: dict[str, Any], log: SkipLog, seconds: float) -> None:
+    t = Table(title=f"prepared → {out}", show_header=False, box=None)
+    t.add_row("samples", f"{m['num_samples']:,}  ({m['num_samples'] / seconds:,.0f} conversations/s)")
+    t.add_row("tokens", f"{m['num_tokens']:,}  ({m['num_tokens'] / seconds:,.0f} tokens/s)")
+    t.add_row("trained tokens", f"{m['num_loss_tokens']:,} ({m['num_loss_tokens'] / max(m['num_tokens'], 1):.0%})")
+    t.add_row("truncated", f"{m['truncated']:,} (to {m['max_length']:,} tokens)")
+    t.add_row("skipped", f"{log.total:,}")
+    t.add_row("time", f"{seconds:.1f} s")
+    console.print(t)
+    for line in log.lines():
+        console.print(Text(line, style="yellow"))
+
+
+# ---------------------------------------------------------------------------------------------
+# --show: the mask, by eye
+# ---------------------------------------------------------------------------------------------
+
+
+def _elide(s: str, limit: int = 800) -> str:
+    if len(s) <= limit:
+        return s
+    return f"{s[: limit // 2]} …[{len(s) - limit * 3 // 4:,} characters]… {s[-limit // 4:]}"
+
+
+def show_samples(path: Path, n: int, tokenizer: Any, out: Console | None = None) -> None:
+    """Print n samples spread over the dataset, trained tokens highlighted (marked ⟦…⟧ without colour)."""
+    out = out or Console(highlight=False)
+    ds = PreparedDataset(path)
+    if n <= 0 or len(ds) == 0:
+        return
+    plain = out.color_system is None
+    for i in sorted({int(x) for x in np.linspace(0, len(ds) - 1, min(n, len(ds)))}):
+        sample = ds[i]
+        ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].tolist()
+        out.rule(f"sample {i}: {len(ids):,} tokens, {sum(mask):,} trained")
+        text = Text()
+        start = 0
+        for k in range(1, len(ids) + 1):  # decode each run of equal mask values as one piece
+            if k == len(ids) or mask[k] != mask[start]:
+                piece = _elide(tokenizer.decode(ids[start:k], skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False))  # fmt: skip
+                if mask[start]:
+                    text.append(f"⟦{piece}⟧" if plain else piece, style="bold black on green")
+                else:
+                    text.append(piece, style="dim")
+                start = k
+        out.print(text)
+    out.rule("trained tokens: ⟦…⟧" if plain else "[bold black on green] trained tokens [/] highlighted")
+
+
+def cli(
+    inputs: list[str] = typer.Argument(None, help="Chat files, saved datasets, hub names, or `sharegpt` / `dummy`."),
+    model: str = typer.Option("smollm2", "--model", "-m", help="Target whose tokenizer and chat template to use: "
+                              "`smollm2`, an HF id or a local folder. [default: smollm2]"),
+    out: Path = typer.Option(Path("data/prepared"), "--out", "-o", help="Output folder. [default: data/prepared]"),
+    max_length: int = typer.Option(2048, help="Longest sample in tokens. [default: 2048]"),
+    overlong: str = typer.Option("truncate", help="Longer samples: `truncate` or `drop`. [default: truncate]"),
+    max_samples: int = typer.Option(None, help="Stop after this many samples. [default: all]"),
+    num_workers: int = typer.Option(None, help="Worker processes (1: in-process). [default: one per CPU core]"),
+    show: int = typer.Option(0, help="Then print this many samples with the trained tokens highlighted. [default: 0]"),
+    chat_template: Path = typer.Option(None, help="A Jinja chat template file to use instead of the model's."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if the output is up to date."),
+) -> None:
+    inputs = list(inputs or [])
+    if not inputs and show and (Path(out) / "manifest.json").is_file():
+        path = Path(out)  # just look at an existing output
+    else:
+        path = prepare(PrepareConfig(inputs=inputs, model=model, out=out, max_length=max_length, overlong=overlong,
+                                     max_samples=max_samples, num_workers=num_workers, chat_template=chat_template,
+                                     force=force))  # fmt: skip
+    if show:
+        manifest = read_json(path / "manifest.json")
+        tokenizer, _ = load_tokenizer(manifest["tokenizer"])
+        show_samples(path, show, tokenizer)

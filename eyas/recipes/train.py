@@ -1,9 +1,258 @@
-"""(not built yet)"""
+"""Train an EAGLE-3 draft model with training-time test (TTT).
+
+Offline, from the hidden states `eyas extract` stored:   eyas train --store STORE --out OUT
+Online, the target runs in the loop (no states on disk): eyas train --prepared DATA --online --model TARGET --out OUT
+Several GPUs: torchrun --nproc_per_node 8 -m eyas.cli train ... [--fsdp]
+
+OUT/draft is the draft checkpoint (for `eyas export` / `eyas eval`); OUT/metrics.jsonl has loss,
+per-step accuracy and tau_sim; OUT/train_state/ holds checkpoints for --resume.
+"""
 
 from __future__ import annotations
 
-from eyas.recipes._unbuilt import not_built
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import typer
+
+from eyas.utils.io import EyasError, atomic_write_json, read_json, sha256_json
 
 
-def cli() -> None:
-    not_built("train")
+def _target_config(name: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise EyasError(f"cannot read the target's config from '{name}' ({e}). The draft copies the target's shape "
+                        "and rope: pass --model with the target's transformers folder or cached hub id.") from e
+
+
+def run_train(
+    out: str | os.PathLike,
+    store: str | os.PathLike | None = None,
+    prepared: str | os.PathLike | None = None,
+    online: bool = False,
+    model: str | None = None,
+    draft_vocab_size: int = 32000,
+    aux_layer_ids: list[int] | None = None,
+    engine: str = "hf",
+    target_dtype: str = "auto",
+    resume: bool = False,
+    stop_after: int = 0,
+    engine_obj: Any = None,
+    log: Any = None,
+    **train_options: Any,
+) -> dict[str, Any]:
+    """Train and write OUT/draft. `train_options` are eyas.train.trainer.TrainConfig fields.
+    `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
+    `engine_obj` is an already built target engine for online training."""
+    from eyas.model.config import DraftConfig, target_config_sha256
+    from eyas.model.draft import Eagle3Draft
+    from eyas.model.vocab import build_draft_vocab
+    from eyas.train import distributed as D
+    from eyas.train.data import Plan, SampleSource, iterate_batches, token_counts
+    from eyas.train.trainer import (
+        MetricsLog,
+        Trainer,
+        TrainConfig,
+        latest_checkpoint,
+        load_checkpoint,
+        run_loop,
+        save_checkpoint,
+    )
+
+    cfg = TrainConfig(**train_options)
+    out = Path(out)
+    info = D.init_distributed(cfg.device)
+    say = log or (lambda msg: typer.echo(msg, err=True) if info.is_main else None)
+    if (store is None) == (prepared is None):
+        raise EyasError("give exactly one of --store (offline) or --prepared (with --online)")
+    if prepared is not None and not online:
+        raise EyasError("--prepared trains online, with the target in the loop: add --online --model TARGET "
+                        "(or run `eyas extract` and train with --store)")
+
+    eng = None
+    if store is not None:
+        from eyas.store import HiddenStore
+
+        st = HiddenStore(store)
+        manifest = st.manifest
+        lengths = st.lengths
+        source_id = {"store": manifest.get("options_sha256"), "num_tokens": manifest["num_tokens"]}
+        target_name = model or manifest["target"]
+        aux_ids = list(manifest["aux_layer_ids"])
+        head = st.target_head()
+        target_cfg = _target_config(target_name)
+        if manifest.get("target_config_sha256") and target_config_sha256(target_cfg) != manifest["target_config_sha256"]:
+            raise EyasError(f"the target config of '{target_name}' differs from the one the store {store} was extracted "
+                            f"with ({manifest['target']}): pass --model with that target")
+        source, kind, counts_path = SampleSource(store, "store"), "store", Path(store)
+    else:
+        from eyas.assets import resolve_model
+        from eyas.data.prepared import PreparedDataset
+
+        ds = PreparedDataset(prepared)
+        lengths = ds.lengths
+        if engine_obj is not None:
+            eng = engine_obj
+            target_name = getattr(eng, "model_name", str(model))
+        else:
+            if not model:
+                raise EyasError("--online needs --model TARGET (a transformers folder or cached hub id)")
+            from eyas.engines import load_engine
+
+            target_name = resolve_model(model)
+            eng = load_engine(engine, target_name, aux_layer_ids=aux_layer_ids, dtype=target_dtype,
+                              device=str(info.device))
+        aux_ids = list(eng.aux_layer_ids)
+        head = eng.target_head()
+        target_cfg = getattr(eng, "config", None) or _target_config(target_name)
+        source_id = {"prepared": ds.manifest.get("options_sha256"), "num_tokens": ds.num_tokens,
+                     "target": target_name}
+        source, kind, counts_path = SampleSource(prepared, "prepared"), "prepared", Path(prepared)
+
+    dcfg = DraftConfig.from_target_config(target_cfg, aux_ids, draft_vocab_size, target=str(target_name))
+    if dcfg.vocab_size != head.vocab_size:
+        dcfg.vocab_size = head.vocab_size  # the lm_head's rows are what the target predicts over
+        dcfg.draft_vocab_size = min(dcfg.draft_vocab_size, dcfg.vocab_size)
+    budget = cfg.resolved_budget(info.device)
+    cfg.token_budget = budget
+    plan = Plan(lengths, budget, cfg.seed, info.world, cfg.grad_accum)
+    steps_per_epoch = plan.steps_per_epoch()
+    if steps_per_epoch == 0 and not cfg.max_steps:
+        raise EyasError(f"{len(lengths)} samples make {len(plan.packs(0))} packs of {budget} tokens: fewer than one "
+                        f"optimizer step needs ({info.world} rank(s) x {cfg.grad_accum} accumulation). Lower "
+                        "--token-budget or --grad-accum, or use more data")
+    total = cfg.max_steps or cfg.epochs * steps_per_epoch
+    options = {"source": source_id, "draft": {k: v for k, v in dcfg.to_dict().items() if k != "extra"},
+               "train": cfg.schedule_options(), "world": info.world, "kind": kind}
+    options_sha = sha256_json(options)
+    mpath = out / "manifest.json"
+    if mpath.is_file() and read_json(mpath).get("options_sha256") == options_sha and (out / "draft").is_dir():
+        say(f"{out} is up to date (same inputs and options): reusing it")
+        return read_json(mpath)
+
+    counts = token_counts(counts_path, kind, dcfg.vocab_size)
+    d2t, t2d = build_draft_vocab(counts, dcfg.draft_vocab_size)
+    torch.manual_seed(cfg.seed)
+    draft = Eagle3Draft(dcfg)
+    draft.load_target_embedding(head.embed_tokens, head.embed_scale)
+    draft.set_vocab(d2t, t2d)
+    trainer = Trainer(cfg, draft, head, info, total)
+    del head  # the trainer keeps what it needs on the device
+
+    root = out / "train_state"
+    progress: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "tokens": 0, "options_sha256": options_sha}
+    ckpt = latest_checkpoint(root) if resume else None
+    if ckpt is not None:
+        saved = read_json(ckpt / "progress.json")
+        if saved.get("options_sha256") != options_sha:
+            raise EyasError(f"{ckpt} was written by a run with other data or options: resume needs the same command "
+                            "(or drop --resume to start over)")
+        progress = load_checkpoint(trainer, ckpt)
+        say(f"resuming from {ckpt} (step {trainer.step}/{total})")
+    elif info.is_main and root.exists():
+        import shutil
+
+        if resume:
+            say(f"--resume: no checkpoint in {root}; starting from scratch")
+        shutil.rmtree(root, ignore_errors=True)
+    D.barrier()
+    progress["start"] = trainer.step
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(out, cfg.report_to, trainer.step if ckpt else None, options) if info.is_main else None
+    say(f"training a draft for {target_name}: {sum(p.numel() for p in draft.parameters() if p.requires_grad):,} "
+        f"trainable parameters, {total} steps of {info.world} x {cfg.grad_accum} x {budget} tokens, "
+        f"{trainer.mode} on {info.device}")
+    batches = iterate_batches(source, plan, info.rank, progress["epoch"], progress["step_in_epoch"],
+                              num_workers=cfg.num_workers, pin=info.device.type == "cuda",
+                              pad_to=budget if info.device.type == "cuda" else None, states=eng is None)
+    t0 = time.perf_counter()
+    try:
+        last = run_loop(trainer, batches, out, total, max(steps_per_epoch, 1), progress, metrics, engine=eng,
+                        stop_after=stop_after, log=say)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    if stop_after and trainer.step < total:
+        return {"stopped_at": trainer.step, "metrics": last}
+    if cfg.save_every:
+        save_checkpoint(trainer, root, dict(progress), cfg.keep_checkpoints)
+    state = trainer.draft_state()  # collective under FSDP
+    result = {"format": "eyas.train/1", "options_sha256": options_sha, "draft": "draft", "steps": trainer.step,
+              "tokens": progress.get("tokens", 0), "seconds": time.perf_counter() - t0, "final": last,
+              "options": options}
+    if info.is_main:
+        final = Eagle3Draft(dcfg)
+        final.load_state_dict(state)
+        if trainer.bf16:
+            final = final.to(torch.bfloat16)
+        final.save_pretrained(out / "draft")
+        atomic_write_json(mpath, result)
+        say(f"draft saved to {out / 'draft'} ({trainer.step} steps, final loss {last.get('loss', float('nan')):.3f}, "
+            f"tau_sim {last.get('tau_sim', float('nan')):.2f})")
+    D.barrier()
+    if eng is not None and engine_obj is None:
+        eng.close()
+    return result
+
+
+def cli(
+    out: Path = typer.Option(..., "--out", help="Output folder: OUT/draft, OUT/metrics.jsonl, OUT/train_state/."),
+    store: Path = typer.Option(None, "--store", help="Hidden-state store from `eyas extract` (offline training)."),
+    prepared: Path = typer.Option(None, "--prepared", help="Prepared dataset from `eyas prepare` (with --online)."),
+    online: bool = typer.Option(False, "--online", help="Run the target in the loop instead of reading a store. "
+                                "[default: off]"),
+    model: str = typer.Option(None, "--model", help="Target model folder or cached hub id (online: required; "
+                              "offline: defaults to the store's target)."),
+    draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size", help="Draft vocabulary: the most frequent "
+                                         "trained tokens (capped at the target's vocabulary). [default: 32000]"),
+    ttt_steps: int = typer.Option(7, "--ttt-steps", help="Training-time-test steps. [default: 7]"),
+    epochs: int = typer.Option(1, "--epochs", help="Passes over the data. [default: 1]"),
+    max_steps: int = typer.Option(0, "--max-steps", help="Optimizer steps; overrides --epochs when > 0. [default: 0]"),
+    lr: float = typer.Option(1e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine to 10%). "
+                             "[default: 1e-4]"),
+    warmup_ratio: float = typer.Option(0.015, "--warmup-ratio", help="Share of steps spent warming up. "
+                                       "[default: 0.015]"),
+    token_budget: int = typer.Option(0, "--token-budget", help="Tokens per packed micro-batch (per GPU); 0 = 16384 "
+                                     "on GPU, 2048 on CPU. [default: 0]"),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step. [default: 1]"),
+    grad_clip: float = typer.Option(0.5, "--grad-clip", help="Gradient norm clipping. [default: 0.5]"),
+    save_every: int = typer.Option(1000, "--save-every", help="Checkpoint every N optimizer steps and at the end "
+                                   "(0 = never; then --resume has nothing to resume from). [default: 1000]"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUT/train_state. "
+                                "[default: off]"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp32. [default: auto]"),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Shard the draft and optimizer with FSDP2 under torchrun "
+                              "(default: DDP). [default: off]"),
+    attention: str = typer.Option("auto", "--attention", help="TTT attention: auto (flex on GPU), flex, math. "
+                                  "[default: auto]"),
+    compile_: str = typer.Option("auto", "--compile", help="torch.compile the draft layer: auto (on for GPU), on, off. "
+                                 "[default: auto]"),
+    log_every: int = typer.Option(10, "--log-every", help="Optimizer steps between log lines. [default: 10]"),
+    seed: int = typer.Option(0, "--seed", help="Seed for the draft's init and the data order. [default: 0]"),
+    num_workers: int = typer.Option(2, "--num-workers", help="DataLoader worker processes. [default: 2]"),
+    report_to: str = typer.Option("auto", "--report-to", help="auto (TensorBoard if installed; W&B if installed and "
+                                  "WANDB_PROJECT is set), tensorboard, wandb, none. [default: auto]"),
+    aux_layers: str = typer.Option("", "--aux-layers", help="Online: comma-separated aux layer ids. "
+                                   "[default: 2,N//2,N-3]"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda. [default: auto]"),
+) -> None:
+    if compile_ not in ("auto", "on", "off"):
+        raise EyasError("--compile must be auto, on or off")
+    ids = [int(x) for x in aux_layers.split(",") if x.strip()] or None
+    try:
+        run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
+                  aux_layer_ids=ids, resume=resume, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                  warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
+                  save_every=save_every, dtype=dtype, fsdp=fsdp, attention=attention,
+                  compile=None if compile_ == "auto" else compile_ == "on", log_every=log_every, seed=seed,
+                  num_workers=num_workers, report_to=report_to, device=device)
+    finally:
+        from eyas.train.distributed import cleanup
+
+        cleanup()

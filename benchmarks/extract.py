@@ -1,0 +1,220 @@
+"""Hidden-state extraction speed: hardware ceiling, bare forward, a naive loop and `eyas extract`, in one run.
+
+    PYTHONPATH=. python3 benchmarks/extract.py            # GPU: Llama-3.1-8B shape and SmolLM2 shape
+    PYTHONPATH=. python3 benchmarks/extract.py --smoke    # CPU, tiny sizes: checks the script runs
+
+Rows, per target shape (random weights, bf16, SDPA, sequences of --seq-len tokens):
+  bare forward   the decoder alone (no lm_head, no capture, nothing leaves the device): the upper bound
+  naive e2e      what peers do: model(..., output_hidden_states=True), then for each sample .cpu() and
+                 torch.save of its aux + final states
+  eyas e2e       `run_extract` into a real store: hooks, D2H copies on a side stream into pinned shard
+                 buffers, safetensors + sha256 written by a thread; timed from the first batch until the
+                 last shard is on disk (the one-off target_head/manifest write is shown separately)
+Goals on the 8B shape: eyas >= 85% of the bare forward and >= 2.5x the naive loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eyas.data.prepared import PreparedWriter  # noqa: E402
+from eyas.engines.base import plan_batches  # noqa: E402
+from eyas.engines.hf import HFEngine  # noqa: E402
+from eyas.recipes.extract import default_token_budget, run_extract  # noqa: E402
+
+SHAPES = {
+    # Llama-3.1-8B: 32 layers, hidden 4096, FFN 14336, 32 query / 8 kv heads, vocab 128256
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    # SmolLM2-135M: 30 layers, hidden 576, FFN 1536, 9 / 3 heads, vocab 49152
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def matmul_ceiling(dev: torch.device, n: int, reps: int) -> float:
+    """bf16 GEMM TFLOP/s at n x n x n: what the device can do at best."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(dev)
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def build_model(shape: str, dev: torch.device):
+    """Random weights, created directly on the device in bf16 (seconds, even for 8B)."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(**SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = tf.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """2 x non-embedding parameters + causal attention (QK^T and AV over seq_len/2 keys on average)."""
+    h, L, i = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    params = L * (h * h * 2 + h * kv * 2 + 3 * h * i)
+    return 2 * params + L * 2 * seq_len * h
+
+
+def make_prepared(path: Path, n: int, seq_len: int, vocab: int) -> None:
+    rng = np.random.default_rng(0)
+    w = PreparedWriter(path, vocab_size=vocab)
+    for _ in range(n):
+        w.add(rng.integers(0, vocab, seq_len), np.ones(seq_len, np.uint8))
+    w.finish(tokenizer="random", chat_template_sha256="", max_length=seq_len, skipped={}, truncated=0,
+             options_sha256="bench", sources=["random"])
+
+
+def batches_of(n: int, seq_len: int, budget: int, vocab: int, dev: torch.device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+    return [ids[b].to(dev) for b in plan_batches([seq_len] * n, budget)]
+
+
+@torch.inference_mode()
+def bare_forward(model, batches: list[torch.Tensor], dev: torch.device) -> float:
+    text = model.model
+    text(input_ids=batches[0][:1], use_cache=False)  # warm-up (kernels, allocator)
+    sync(dev)
+    t = time.perf_counter()
+    for ids in batches:
+        text(input_ids=ids, use_cache=False)
+    sync(dev)
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def naive_e2e(model, batches: list[torch.Tensor], aux_ids: list[int], out: Path, dev: torch.device) -> float:
+    out.mkdir(parents=True, exist_ok=True)
+    model(input_ids=batches[0][:1], output_hidden_states=True, use_cache=False)
+    sync(dev)
+    t = time.perf_counter()
+    i = 0
+    for ids in batches:
+        hs = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        for b in range(ids.shape[0]):
+            aux = torch.cat([hs[k][b] for k in aux_ids], dim=-1).cpu()
+            torch.save({"input_ids": ids[b].cpu(), "aux_hidden": aux, "final_hidden": hs[-1][b].cpu()},
+                       out / f"{i}.pt")
+            i += 1
+    sync(dev)
+    return time.perf_counter() - t
+
+
+def eyas_e2e(model, prepared: Path, out: Path, budget: int, dev: torch.device, fp8: bool) -> dict:
+    engine = HFEngine(model, dtype="bfloat16", device=dev)
+    engine.capture([torch.zeros(8, dtype=torch.long)])  # warm-up, as for the other rows
+    stats: dict = {}
+    run_extract(prepared, out, model="bench", engine_obj=engine, token_budget=budget, fp8=fp8, stats=stats)
+    engine.close()
+    return stats
+
+
+def bench_shape(shape: str, args, dev: torch.device, work: Path, ceiling: float) -> list[tuple]:
+    model = build_model(shape, dev)
+    cfg = model.config
+    n, T = args.samples or (192 if shape == "llama-8b" else 768), args.seq_len
+    budget = args.token_budget or default_token_budget(dev, cfg.hidden_size)
+    N = cfg.num_hidden_layers
+    aux_ids = [2, N // 2, N - 3]
+    tokens = n * T
+    batches = batches_of(n, T, budget, cfg.vocab_size, dev)
+    prepared = work / f"prepared-{shape}"
+    make_prepared(prepared, n, T, cfg.vocab_size)
+    rows = []
+
+    t_bare = bare_forward(model, batches, dev)
+    tflops = tokens * flops_per_token(cfg, T) / t_bare / 1e12
+    rows.append((shape, "bare forward", tokens / t_bare, f"{tflops:.3g} TFLOP/s = {tflops / ceiling:.0%} of ceiling"))
+    t_naive = naive_e2e(model, batches, aux_ids, work / "naive", dev)
+    shutil.rmtree(work / "naive", ignore_errors=True)
+    rows.append((shape, "naive e2e (torch.save)", tokens / t_naive, ""))
+    for fp8 in [False, True] if args.fp8 else [False]:
+        st = eyas_e2e(model, prepared, work / "store", budget, dev, fp8)
+        shutil.rmtree(work / "store", ignore_errors=True)
+        name = "eyas e2e" + (" fp8" if fp8 else "")
+        rows.append((shape, name, st["tokens"] / st["seconds"],
+                     f"{st['bytes'] / st['seconds'] / 2**30:.2f} GiB/s to disk; +{st['total_seconds'] - st['seconds']:.1f}s "
+                     "one-off (plan, head, manifest)"))
+    del model, batches
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
+    p.add_argument("--shapes", default="llama-8b,smollm2", help="comma-separated: llama-8b, smollm2, tiny")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=0, help="sequences per row (0: 192 for 8B, 768 for SmolLM2)")
+    p.add_argument("--token-budget", type=int, default=0, help="0: eyas' default for the shape")
+    p.add_argument("--fp8", action="store_true", help="also time eyas with fp8 storage")
+    p.add_argument("--work-dir", default=None, help="where stores are written (deleted after each row)")
+    args = p.parse_args()
+    os.environ.setdefault("EYAS_NO_PROGRESS", "1")
+    if args.smoke:
+        dev = torch.device("cpu")
+        args.shapes, args.seq_len, args.samples = "tiny", 64, args.samples or 24
+        ceiling = matmul_ceiling(dev, 256, 5)
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no GPU: run with --smoke on a CPU")
+        dev = torch.device("cuda", 0)
+        ceiling = matmul_ceiling(dev, 8192, 50)
+    work = Path(tempfile.mkdtemp(prefix="eyas-bench-", dir=args.work_dir))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"# device: {name}; torch {torch.__version__}; seq_len {args.seq_len}; bf16 matmul ceiling "
+          f"{ceiling:.3g} TFLOP/s", flush=True)
+    rows = []
+    try:
+        for shape in args.shapes.split(","):
+            rows += bench_shape(shape, args, dev, work, ceiling)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print("\n| target shape | step | tok/s | vs bare forward | vs naive | notes |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for shape in dict.fromkeys(r[0] for r in rows):
+        rs = [r for r in rows if r[0] == shape]
+        bare = next(r[2] for r in rs if r[1] == "bare forward")
+        naive = next(r[2] for r in rs if r[1].startswith("naive"))
+        for _, step, rate, note in rs:
+            print(f"| {shape} | {step} | {rate:,.0f} | {rate / bare:.2f} | {rate / naive:.2f} | {note} |")
+    for shape in ("llama-8b",):
+        rs = {r[1]: r[2] for r in rows if r[0] == shape}
+        if rs:
+            a, b = rs["eyas e2e"] / rs["bare forward"], rs["eyas e2e"] / rs["naive e2e (torch.save)"]
+            print(f"\ngoals on {shape}: eyas/bare {a:.2f} (>= 0.85: {'PASS' if a >= 0.85 else 'FAIL'}), "
+                  f"eyas/naive {b:.2f} (>= 2.5: {'PASS' if b >= 2.5 else 'FAIL'})")
+
+
+if __name__ == "__main__":
+    main()

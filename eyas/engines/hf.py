@@ -1,0 +1,287 @@
+"""The `hf` engine: any transformers causal LM, hidden states captured with hooks on the needed layers.
+
+Why hooks and not `output_hidden_states=True`: that keeps every layer's [B, T, H] alive (61 layers
+of a large target) and runs the final norm and the lm_head (full-vocabulary logits, the biggest
+matmul of the model) for nothing. Here a forward pre-hook on decoder layer k takes its input
+(= transformers' `hidden_states[k]`), a pre-hook on the final norm takes the last layer's output
+and stops the forward there. Only the text decoder runs, so a vision-language wrapper's vision
+tower is never touched.
+
+Batches are right-padded with an attention mask: with a causal mask, padding after a sequence
+cannot change its states, so a ragged batch equals one-at-a-time runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from eyas.engines.base import (
+    Capture,
+    FlatCapture,
+    TargetEngine,
+    default_aux_layer_ids,
+    validate_aux_layer_ids,
+)
+from eyas.engines.head import TargetHead
+from eyas.utils.io import EyasError
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16}
+# where wrappers keep their text decoder, most specific last (checked before the generic search)
+_DECODER_PATHS = ("model.language_model", "language_model", "model.text_model", "text_model", "model", "transformer")
+_NORM_NAMES = ("norm", "final_layernorm", "final_norm", "norm_f", "ln_f")
+
+
+class _StopForward(Exception):
+    """Raised by the final-norm hook: everything after the last decoder layer is skipped."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise EyasError(f"unknown dtype '{dtype}'; use one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto' -> this rank's GPU (LOCAL_RANK under torchrun) when there is one, else the CPU."""
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _is_decoder(m: Any) -> bool:
+    layers = getattr(m, "layers", None)
+    return isinstance(m, nn.Module) and isinstance(layers, nn.ModuleList) and len(layers) > 0 and (
+        getattr(m, "embed_tokens", None) is not None or hasattr(m, "get_input_embeddings"))
+
+
+def find_text_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module | None]:
+    """(text model, its decoder layers, its final norm or None) for a causal LM or a multimodal wrapper.
+
+    Known paths first (model.model, model.model.language_model, ...), then the shallowest module
+    outside any vision/audio tower that has `layers` and token embeddings.
+    """
+    found = None
+    for path in _DECODER_PATHS:
+        m = _get(model, path)
+        if _is_decoder(m):
+            found = m
+            break
+    if found is None:
+        skip = ("vision", "visual", "audio", "image", "mm_projector", "multi_modal")
+        cands = [(name.count("."), name, m) for name, m in model.named_modules()
+                 if _is_decoder(m) and not any(s in name.lower() for s in skip)]
+        if not cands:
+            raise EyasError(
+                f"cannot find the text decoder in {type(model).__name__}: no submodule has `layers` and token "
+                "embeddings. eyas' hf engine supports transformers causal LMs and their multimodal wrappers."
+            )
+        found = min(cands, key=lambda c: (c[0], c[1]))[2]
+    norm = next((getattr(found, n) for n in _NORM_NAMES if isinstance(getattr(found, n, None), nn.Module)), None)
+    return found, found.layers, norm
+
+
+def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, device_map: str | None = None,
+                  attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
+    """AutoModelForCausalLM, falling back to AutoModelForImageTextToText for vision-language wrappers."""
+    import transformers
+
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation,
+                                  trust_remote_code=trust_remote_code)
+    kwargs["device_map"] = device_map if device_map else {"": str(device)}
+    errors = []
+    for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
+        cls = getattr(transformers, auto, None)
+        if cls is None:
+            continue
+        try:
+            return cls.from_pretrained(model, **kwargs)
+        except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
+            errors.append(f"{auto}: {e}")
+        except OSError as e:
+            raise EyasError(f"cannot load target '{model}': {e}. Give a local transformers folder or a hub id "
+                            "that is in the local cache.") from e
+    raise EyasError(f"transformers cannot load '{model}' as a causal LM: " + " | ".join(errors)[:800])
+
+
+class HFEngine(TargetEngine):
+    """Hidden-state capture from a transformers model (a path/hub id, or an already built nn.Module)."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model: str | nn.Module,
+        aux_layer_ids: list[int] | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = "auto",
+        device_map: str | None = None,
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.dtype = resolve_dtype(dtype)
+        if isinstance(model, nn.Module):
+            self.model = model
+            self.model_name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+            if device_map is None:
+                self.model.to(device=resolve_device(device), dtype=self.dtype)
+        else:
+            self.model_name = str(model)
+            self.model = load_hf_model(str(model), self.dtype, resolve_device(device), device_map,
+                                       attn_implementation, trust_remote_code)
+        self.model.eval().requires_grad_(False)
+        self.config = self.model.config
+        self.text_model, self.layers, self.norm = find_text_decoder(self.model)
+        text_cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.text_config = text_cfg
+        self.num_layers = min(len(self.layers), int(getattr(text_cfg, "num_hidden_layers", len(self.layers))))
+        self.hidden_size = int(text_cfg.hidden_size)
+        out = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        self.vocab_size = int(out.weight.shape[0]) if out is not None else int(text_cfg.vocab_size)
+        ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
+        self.aux_layer_ids = validate_aux_layer_ids(ids, self.num_layers)
+        embed = self.text_model.get_input_embeddings()
+        self.device = embed.weight.device  # inputs go here, captures come back here
+        pad = getattr(text_cfg, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) and 0 <= pad < embed.weight.shape[0] else 0
+
+        # hooks: only on the aux layers and the final norm; idle unless a capture is running
+        self._active = False
+        self._rows: torch.Tensor | None = None  # [N] rows of the flattened [B*T] batch that are real tokens
+        self._stash: dict[Any, torch.Tensor] = {}
+        self._hooks = [self.layers[k].register_forward_pre_hook(self._layer_hook(k), with_kwargs=True)
+                       for k in sorted(set(self.aux_layer_ids))]
+        last = self.layers[self.num_layers - 1]
+        if self.norm is not None:
+            self._hooks.append(self.norm.register_forward_pre_hook(self._final_pre_hook))
+        else:  # no final norm found: take the last layer's output (the forward then runs to the end)
+            self._hooks.append(last.register_forward_hook(self._final_post_hook))
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _keep(self, key: Any, h: torch.Tensor) -> None:
+        h = h.reshape(-1, self.hidden_size)  # [B*T, H]
+        if self._rows is not None:
+            h = h.index_select(0, self._rows.to(h.device, non_blocking=True))  # [N, H], padding dropped
+        self._stash[key] = h.to(self.device, non_blocking=True)
+
+    def _layer_hook(self, k: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._active:
+                self._keep(k, args[0] if args else kwargs["hidden_states"])
+        return hook
+
+    def _final_pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if self._active:
+            self._keep("final", args[0])
+            raise _StopForward
+
+    def _final_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._active:
+            self._keep("final", output[0] if isinstance(output, tuple) else output)
+
+    # ---- capture ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_flat(self, seqs: list[torch.Tensor]) -> FlatCapture:
+        """Run one batch; returns states on `self.device` without any host<->device sync of our own."""
+        if not seqs:
+            raise ValueError("capture() needs at least one sequence")
+        lengths = [int(s.shape[0]) for s in seqs]
+        if min(lengths) < 1:
+            raise EyasError("cannot capture an empty sequence (0 tokens); drop it from the dataset")
+        B, T = len(seqs), max(lengths)
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : lengths[b]] = s
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        ragged = min(lengths) != T
+        if ragged:  # right padding: real tokens are rows b*T + [0, len_b) of the flattened batch
+            mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+            self._rows = mask.reshape(-1).nonzero().squeeze(1).to(self.device, non_blocking=True)
+            attention_mask = mask.long().to(self.device, non_blocking=True)
+        else:
+            self._rows, attention_mask = None, None  # plain causal: no mask built, no padding to drop
+        pin = self.device.type == "cuda"
+        ids = (ids.pin_memory() if pin else ids).to(self.device, non_blocking=True)
+        self._stash, self._active = {}, True
+        try:
+            self.text_model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            self._active, self._rows = False, None
+        stash, self._stash = self._stash, {}
+        missing = [k for k in [*self.aux_layer_ids, "final"] if k not in stash]
+        if missing:
+            raise RuntimeError(f"hooks did not fire for layers {missing} of {type(self.text_model).__name__}")
+        aux = torch.cat([stash[k] for k in self.aux_layer_ids], dim=-1)  # [N, k*H]
+        return FlatCapture(aux, stash["final"], cu)
+
+    def capture(self, seqs: list[torch.Tensor]) -> list[Capture]:
+        """One Capture per sequence; tensors stay on `self.device` (views into one batch buffer)."""
+        return self.capture_flat(seqs).split()
+
+    # ---- head -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def target_head(self) -> TargetHead:
+        """The head in the engine's dtype, on the CPU (the store saves it as bf16)."""
+        embed = self.text_model.get_input_embeddings()
+        lm_head = self.model.get_output_embeddings()
+        if lm_head is None or self.norm is None:
+            raise EyasError(f"{type(self.model).__name__} has no lm_head or final norm that eyas can find")
+        scale = getattr(embed, "scalar_embed_scale", None) or getattr(embed, "embed_scale", None)
+        embed_scale = float(scale) if scale is not None else 1.0
+        eps = next((float(getattr(self.norm, a)) for a in ("variance_epsilon", "eps")
+                    if isinstance(getattr(self.norm, a, None), (int, float))),
+                   float(getattr(self.text_config, "rms_norm_eps", 1e-6)))
+        norm_offset = _probe_norm_offset(self.norm, eps)
+        if getattr(self.text_config, "final_logit_softcapping", None):
+            import warnings
+
+            warnings.warn("the target soft-caps its logits; eyas' TargetHead does not (the argmax is unchanged)",
+                          stacklevel=2)
+        return TargetHead(
+            embed_tokens=embed.weight.detach().to("cpu"),
+            norm_weight=self.norm.weight.detach().to("cpu"),
+            lm_head=lm_head.weight.detach().to("cpu"),
+            norm_eps=eps, norm_offset=norm_offset, embed_scale=embed_scale,
+        )
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _probe_norm_offset(norm: nn.Module, eps: float) -> float:
+    """0.0 for RMSNorm `x̂ * w`, 1.0 for Gemma's `x̂ * (1 + w)`; refuses a norm that is neither."""
+    w = norm.weight.detach().float()
+    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0))
+    y = norm(x.to(norm.weight.device, norm.weight.dtype)).float().cpu()
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    w = w.cpu()
+    errs = {off: ((y - xn * (w + off)).norm() / (y.norm() + 1e-12)).item() for off in (0.0, 1.0)}
+    off = min(errs, key=errs.get)
+    if errs[off] > 2e-2:
+        raise EyasError(f"the target's final norm ({type(norm).__name__}) is not an RMSNorm (x̂*w or x̂*(1+w)); "
+                        "eyas' TargetHead cannot reproduce it")
+    return off

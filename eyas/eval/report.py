@@ -1,0 +1,222 @@
+"""Evaluation reports: JSON (everything), a Markdown summary and PNG plots, optionally against other runs.
+
+    write_report(result, "eval/", label="my-draft", compare=[("baseline-draft", load_report("old/report.json"))])
+
+Plots (matplotlib Agg, no display needed): acceptance by draft position, tau by prompt set,
+tau and speedup against chain length K. Compared runs are drawn dashed / hatched on the same axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eyas.eval.metrics import BASELINE
+from eyas.eval.runner import EvalResult
+from eyas.utils.io import EyasError, atomic_path, atomic_write_json, atomic_write_text, read_json
+
+Compared = Sequence[tuple[str, EvalResult]]
+
+
+def load_report(path: str | Path) -> EvalResult:
+    """A report.json, or the folder holding it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "report.json"
+    try:
+        return EvalResult.from_dict(read_json(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise EyasError(f"cannot read eval report {path}: {e}. Pass a report.json written by `eyas eval`.") from e
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown_summary(result: EvalResult, label: str = "this run", compare: Compared = ()) -> str:
+    meta = result.meta
+    table = result.table()
+    lines = [f"# eyas eval: {label}", ""]
+    lines.append(f"target `{meta.get('target', '')}`, draft `{meta.get('draft', '')}`, temperature "
+                 f"{meta.get('temperature')}, top-p {meta.get('top_p')}, max new tokens {meta.get('max_new_tokens')}, "
+                 f"{meta.get('device')} {meta.get('gpu') or ''} {meta.get('dtype')}, engine {meta.get('engine', 'hf')}.")
+    lines += ["", "tau counts the bonus token (EAGLE's acceptance length; vLLM's mean acceptance length). "
+              "Speedup is against the target alone on the same prompts in the same run.", ""]
+    others = [(name, other.table()) for name, other in compare]
+    for set_name, stats in table.items():
+        if set_name == "all" and len(table) == 2:
+            continue  # one prompt set: "all" repeats it
+        gens = stats.get(BASELINE, next(iter(stats.values())))["generations"] if stats else 0
+        lines += [f"## {set_name} ({gens} generations)", ""]
+        head = "| method | tau | tokens / target forward | tok/s | speedup | identical to target |"
+        sep = "| --- | ---: | ---: | ---: | ---: | ---: |"
+        for name, _ in others:
+            head += f" tau {name} | Δ tau |"
+            sep += " ---: | ---: |"
+        lines += [head, sep]
+        for method, m in stats.items():
+            ident = m["identical_to_target"]
+            ident_s = "–" if ident is None else f"{ident:.0%} of {m['compared']}"
+            row = (f"| {method} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_target_forward'])} | {_fmt(m['tok_s'], '.1f')} "
+                   f"| {_fmt(m['speedup'])}{'x' if m['speedup'] else ''} | "
+                   f"{ident_s} |")
+            for _, otable in others:
+                o = otable.get(set_name, {}).get(method)
+                ot = o["tau"] if o else None
+                row += f" {_fmt(ot)} | {_fmt(m['tau'] - ot if (m['tau'] is not None and ot is not None) else None, '+.2f')} |"
+            lines.append(row)
+        lines.append("")
+    overall = table["all"]
+    spec = [(k, v) for k, v in overall.items() if k != BASELINE and v["max_accept"]]
+    if spec:
+        width = max(v["max_accept"] for _, v in spec)
+        lines += ["## Acceptance by draft position (all sets)", "",
+                  "Share of verify steps that accepted at least j draft tokens (conditional rate in brackets).", "",
+                  "| method | " + " | ".join(f"j={j}" for j in range(1, width + 1)) + " |",
+                  "| --- |" + " ---: |" * width]
+        for k, v in spec:
+            cells = [f"{r:.2f} ({_fmt(c)})" for r, c in zip(v["accept_rate_by_pos"], v["accept_cond_by_pos"], strict=False)]
+            lines.append(f"| {k} | " + " | ".join(cells + [""] * (width - len(cells))) + " |")
+        lines.append("")
+    lines += ["Plots: `acceptance_by_position.png`, `tau_by_prompt_set.png`, `tau_vs_k.png`.", ""]
+    return "\n".join(lines)
+
+
+# -- plots ------------------------------------------------------------------------------------------
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(names: Sequence[str]) -> dict[str, Any]:
+    plt = _plt()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {n: cycle[i % len(cycle)] for i, n in enumerate(names)}
+
+
+def plot_acceptance_by_position(result: EvalResult, path: Path, label: str, compare: Compared = ()) -> None:
+    plt = _plt()
+    runs = [(label, result.table()["all"], "-")] + [(n, o.table()["all"], "--") for n, o in compare]
+    methods = [m for m in result.methods if m in runs[0][1]]
+    colors = _colors(methods)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run_label, stats, style in runs:
+        for m in methods:
+            s = stats.get(m)
+            if not s or not s["accept_rate_by_pos"]:
+                continue
+            xs = list(range(1, len(s["accept_rate_by_pos"]) + 1))
+            tag = f"{m} ({run_label})" if compare else m
+            axes[0].plot(xs, s["accept_rate_by_pos"], style, marker="o", color=colors[m], label=tag)
+            cond = [c if c is not None else float("nan") for c in s["accept_cond_by_pos"]]
+            axes[1].plot(xs, cond, style, marker="o", color=colors[m], label=tag)
+    axes[0].set_title("Steps accepting at least j draft tokens")
+    axes[1].set_title("Acceptance at position j, given j-1 accepted")
+    for ax in axes:
+        ax.set_xlabel("draft position j (tree: depth)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_ylabel("share of verify steps")
+    axes[1].legend(fontsize=8, loc="best")
+    fig.suptitle("Acceptance by position" + (" — solid: " + label + ", dashed: compared" if compare else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_tau_by_prompt_set(result: EvalResult, path: Path, label: str, compare: Compared = ()) -> None:
+    plt = _plt()
+    table = result.table()
+    set_names = [s for s in table if s != "all"] + (["all"] if len(table) > 2 else [])
+    methods = list(result.methods)
+    runs = [(label, table)] + [(n, o.table()) for n, o in compare]
+    colors = _colors(methods)
+    n_bars = len(methods) * len(runs)
+    width = 0.8 / max(n_bars, 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(set_names) * max(1, n_bars / 3)), 4.2))
+    for r, (run_label, t) in enumerate(runs):
+        for i, m in enumerate(methods):
+            xs, ys = [], []
+            for j, s in enumerate(set_names):
+                v = t.get(s, {}).get(m)
+                if v and v["tau"] is not None:
+                    xs.append(j - 0.4 + width * (i * len(runs) + r + 0.5))
+                    ys.append(v["tau"])
+            tag = f"{m} ({run_label})" if compare else m
+            bars = ax.bar(xs, ys, width * 0.95, color=colors[m], alpha=1.0 if r == 0 else 0.45,
+                          hatch=None if r == 0 else "//", label=tag, edgecolor="black", linewidth=0.4)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(set_names)), set_names)
+    ax.set_ylabel("tau (accepted + bonus per verify)")
+    ax.set_title("Acceptance length tau by prompt set")
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=min(4, n_bars), loc="upper left", bbox_to_anchor=(0, -0.1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_tau_vs_k(result: EvalResult, path: Path, label: str, compare: Compared = ()) -> None:
+    plt = _plt()
+    runs = [(label, result, "-")] + [(n, o, "--") for n, o in compare]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for r, (run_label, res, style) in enumerate(runs):
+        stats = res.table()["all"]
+        chains = sorted((v["max_accept"], v) for k, v in stats.items() if k.startswith("chain-"))
+        trees = [(k, v) for k, v in stats.items() if k.startswith("tree-")]
+        color = cycle[r % len(cycle)]
+        for ax, key in ((axes[0], "tau"), (axes[1], "speedup")):
+            pts = [(k, v[key]) for k, v in chains if v[key] is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=color,
+                        label=f"chain ({run_label})")
+                for x, y in pts:
+                    ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+            for t_idx, (name, v) in enumerate(trees):
+                if v[key] is not None:
+                    ax.axhline(v[key], color=color, linestyle=[":", "-."][t_idx % 2], linewidth=1.2,
+                               label=f"{name} ({run_label}): {v[key]:.2f}")
+    axes[0].set_ylabel("tau")
+    axes[0].set_title("Acceptance length against chain length K")
+    axes[1].set_ylabel("speedup vs the target alone")
+    axes[1].set_title("Speedup against chain length K")
+    axes[1].axhline(1.0, color="gray", linewidth=0.8)
+    for ax in axes:
+        ax.set_xlabel("K (draft tokens per step)")
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(result: EvalResult, out_dir: str | Path, label: str = "this run", compare: Compared = (),
+                 extra: dict[str, Any] | None = None) -> Path:
+    """report.json, report.md and three PNG plots into out_dir (each written atomically)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = result.to_dict()
+    data["label"] = label
+    if compare:
+        data["compared"] = [{"label": n, "meta": o.meta, "results": o.table()} for n, o in compare]
+    if extra:
+        data.update(extra)
+    atomic_write_json(out / "report.json", data)
+    atomic_write_text(out / "report.md", markdown_summary(result, label, compare))
+    for name, fn in (("acceptance_by_position.png", plot_acceptance_by_position),
+                     ("tau_by_prompt_set.png", plot_tau_by_prompt_set), ("tau_vs_k.png", plot_tau_vs_k)):
+        with atomic_path(out / name) as tmp:
+            fn(result, tmp.with_suffix(".png"), label, compare)
+    return out

@@ -1,0 +1,248 @@
+"""Evaluate a draft on prompt sets: every method and the target alone on the same prompts, interleaved.
+
+    result = evaluate_draft(model, tokenizer, draft, mtbench_set(), chain=[3, 5, 7], tree=[TreeSpec(60, 7, 10)])
+    result.overall()["chain-3"].tau
+
+Per prompt (and per turn) the target alone runs first; its answer is the reference for the greedy
+identity check and the answer that the next turn of the conversation is asked after. Then each
+method runs on the same prompt, so all see the same machine state and the speedups are fair.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eyas.eval.metrics import BASELINE, MethodStats, record_of
+from eyas.eval.prompts import PromptItem, PromptSet, render_prompt
+from eyas.eval.spec_decode import ChainSpec, Generation, Method, SpeculativeDecoder, TreeSpec, target_generate
+from eyas.eval.target import HFTarget, stop_token_ids
+from eyas.model.config import target_config_sha256
+from eyas.model.draft import Eagle3Draft
+from eyas.utils.io import EyasError
+from eyas.utils.progress import progress_bar
+
+
+@dataclass
+class EvalResult:
+    """Metrics per prompt set and method (`sets[set][method]`), the settings, and per-generation records."""
+
+    meta: dict[str, Any]
+    methods: list[str]  # decoding methods in run order, the target alone excluded
+    sets: dict[str, dict[str, MethodStats]] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def overall(self) -> dict[str, MethodStats]:
+        """All prompt sets merged."""
+        out: dict[str, MethodStats] = {}
+        for stats in self.sets.values():
+            for name, s in stats.items():
+                if name not in out:
+                    out[name] = MethodStats(name, s.max_accept)
+                out[name].merge(s)
+        return out
+
+    def table(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """{set or 'all': {method: metrics dict with speedup against the target alone}}."""
+        out = {}
+        for set_name, stats in [*self.sets.items(), ("all", self.overall())]:
+            base = stats.get(BASELINE)
+            base_tok_s = base.tok_s if base else None
+            out[set_name] = {m: s.to_dict(base_tok_s) for m, s in stats.items()}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "eyas.eval/1", "meta": self.meta, "methods": self.methods, "results": self.table(),
+                "records": self.records}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalResult:
+        if d.get("format") != "eyas.eval/1":
+            raise EyasError(f"not an eyas eval report (format {d.get('format')!r}, expected eyas.eval/1)")
+        sets = {name: {m: MethodStats.from_dict(v) for m, v in stats.items()}
+                for name, stats in d["results"].items() if name != "all"}
+        return cls(meta=d["meta"], methods=d["methods"], sets=sets, records=d.get("records", []))
+
+
+def check_draft_fits(draft: Eagle3Draft, target_model: torch.nn.Module) -> None:
+    """Refuse a draft trained for another target with a message that says what differs."""
+    cfg = draft.config
+    tcfg = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") else target_model.config
+    problems = []
+    if cfg.vocab_size != tcfg.vocab_size:
+        problems.append(f"vocab {cfg.vocab_size} vs the target's {tcfg.vocab_size}")
+    if cfg.target_hidden_size != tcfg.hidden_size:
+        problems.append(f"target hidden size {cfg.target_hidden_size} vs {tcfg.hidden_size}")
+    if cfg.target_config_sha256 and cfg.target_config_sha256 != target_config_sha256(target_model.config):
+        problems.append("the target config fingerprint differs")
+    if problems:
+        raise EyasError(f"the draft (for target {cfg.target or '?'}) does not fit this target: " + "; ".join(problems)
+                        + ". Evaluate it with the target it was trained for (--model).")
+
+
+def _methods(chain: Sequence[int], tree: Sequence[TreeSpec | str]) -> list[Method]:
+    methods: list[Method] = [ChainSpec(int(k)) for k in chain]
+    methods += [t if isinstance(t, TreeSpec) else TreeSpec.parse(t) for t in tree]
+    if any(isinstance(m, ChainSpec) and m.k < 1 for m in methods):
+        raise EyasError("chain lengths must be >= 1")
+    return methods
+
+
+def _as_sets(prompts: PromptSet | Sequence[PromptSet] | Sequence[str] | Sequence[Sequence[int]]) -> list[PromptSet]:
+    if isinstance(prompts, PromptSet):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, PromptSet) for p in prompts):
+        return prompts  # type: ignore[return-value]
+    if prompts and all(isinstance(p, str) for p in prompts):
+        return [PromptSet.from_texts("prompts", prompts)]  # type: ignore[arg-type]
+    return [PromptSet("prompts", [PromptItem(str(i), token_ids=list(p)) for i, p in enumerate(prompts)])]
+
+
+def _max_positions(model: torch.nn.Module) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(cfg, "max_position_embeddings", 1 << 30) or 1 << 30)
+
+
+@torch.inference_mode()
+def evaluate_draft(
+    target_model: torch.nn.Module,
+    tokenizer: Any,
+    draft: Eagle3Draft,
+    prompts: PromptSet | Sequence[PromptSet] | Sequence[str] | Sequence[Sequence[int]],
+    chain: Sequence[int] = (3,),
+    tree: Sequence[TreeSpec | str] = (),
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 256,
+    baseline: bool = True,
+    seed: int = 0,
+    warmup: bool | None = None,
+    progress: bool | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    done: dict[tuple, dict[str, Any]] | None = None,
+) -> EvalResult:
+    """Speculative decoding of every prompt with each method (chains of K, trees), and the target alone.
+
+    target_model: a transformers causal LM (its dtype and device are used as they are).
+    prompts: prompt sets, plain user messages, or token-id lists.
+    done / on_record: resume support; `done` maps (set, item, turn, method) to stored records.
+    """
+    check_draft_fits(draft, target_model)
+    methods = _methods(chain, tree)
+    sets = _as_sets(prompts)
+    target = HFTarget(target_model, list(draft.config.aux_layer_ids))
+    stops = stop_token_ids(target_model, tokenizer)
+    decoder = SpeculativeDecoder(target, draft, stops)
+    dev = target.device
+    greedy = temperature <= 0
+    names = [m.name for m in methods]
+    result = EvalResult(
+        meta={"target": getattr(target_model.config, "_name_or_path", "") or draft.config.target,
+              "draft": "",
+              "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
+              "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+              "dtype": str(target.dtype).replace("torch.", ""), "draft_dtype": str(decoder.draft_dtype).replace("torch.", ""),
+              "torch": torch.__version__, "host": platform.node(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "chain": [m.k for m in methods if isinstance(m, ChainSpec)],
+              "tree": [m.name for m in methods if isinstance(m, TreeSpec)], "engine": "hf"},
+        methods=names,
+    )
+    limit = _max_positions(target_model) - max_new_tokens - max([m.max_accept if isinstance(m, ChainSpec) else m.total
+                                                                 for m in methods] + [0]) - 2
+    done = done or {}
+
+    def run(method: Method | None, ids: list[int], gen_seed: int, n_new: int) -> Generation:
+        g = torch.Generator(device=dev).manual_seed(gen_seed) if not greedy else None
+        if method is None:
+            return target_generate(target, ids, n_new, temperature, top_p, stops, g)
+        return decoder.generate(ids, method, n_new, temperature, top_p, g)
+
+    try:
+        first = next((it for s in sets for it in s.items), None)
+        if (dev.type == "cuda" if warmup is None else warmup) and first is not None:
+            ids = first.token_ids or render_prompt(tokenizer, [{"role": "user", "content": first.turns[0]}])
+            for m in [None, *methods]:  # kernels, allocator and autotuning settle before timing
+                run(m, ids[:limit], seed, min(16, max_new_tokens))
+        skipped = 0
+        total = sum(s.num_turns for s in sets) * (len(methods) + int(baseline))
+        with progress_bar(disable=None if progress is None else not progress) as bar:
+            task = bar.add_task("eval", total=total, tokens=0, info="")
+            tokens = 0
+            for pset in sets:
+                stats = {BASELINE: MethodStats(BASELINE, 0)} if baseline else {}
+                stats.update({m.name: MethodStats(m.name, m.max_accept) for m in methods})
+                result.sets[pset.name] = stats
+                for item_idx, item in enumerate(pset.items):
+                    messages = [{"role": "system", "content": item.system}] if item.system else []
+                    turns = [None] if item.token_ids is not None else item.turns
+                    for turn_idx, turn in enumerate(turns):
+                        if item.token_ids is not None:
+                            ids = list(item.token_ids)
+                        else:
+                            messages.append({"role": "user", "content": turn})
+                            ids = render_prompt(tokenizer, messages)
+                        if len(ids) > limit:
+                            skipped += 1
+                            bar.advance(task, len(methods) + int(baseline))
+                            break  # later turns would be longer still
+                        gen_seed = seed + 7919 * item_idx + 104729 * turn_idx
+                        reference: list[int] | None = None
+                        answer_text: str | None = None
+                        for m_idx, m in enumerate([None, *methods] if baseline else methods):
+                            name = m.name if m is not None else BASELINE
+                            key = (pset.name, item.id, turn_idx, name)
+                            if key in done:
+                                rec = done[key]
+                                stats[name].add_record(rec)
+                                if answer_text is None and rec.get("answer") is not None:
+                                    answer_text = rec["answer"]
+                                if reference is None and m is None:
+                                    reference = rec.get("answer_ids")
+                                bar.advance(task)
+                                continue
+                            gen = run(m, ids, gen_seed + m_idx, max_new_tokens)
+                            if reference is None and m is None:
+                                reference = gen.tokens
+                            identical = (gen.tokens == reference) if (greedy and m is not None and reference is not None
+                                                                      ) else None
+                            stats[name].add(gen, identical)
+                            rec = record_of(pset.name, item.id, turn_idx, name, gen, 0 if m is None else m.max_accept,
+                                            identical, len(ids))
+                            if answer_text is None:
+                                answer_text = tokenizer.decode(gen.tokens, skip_special_tokens=True)
+                                rec["answer"], rec["answer_ids"] = answer_text, gen.tokens
+                            result.records.append(rec)
+                            if on_record is not None:
+                                on_record(rec)
+                            tokens += gen.new_tokens
+                            taus = " ".join(f"{n}: tau {s.tau:.2f}" for n, s in stats.items() if s.tau is not None)
+                            bar.update(task, advance=1, tokens=tokens, info=f"{pset.name} {taus}")
+                        messages.append({"role": "assistant", "content": answer_text or ""})
+        result.meta["skipped_too_long"] = skipped
+    finally:
+        target.close()
+    return result
+
+
+@torch.inference_mode()
+def greedy_acceptance(target_model: torch.nn.Module, tokenizer: Any, draft: Eagle3Draft,
+                      prompts: PromptSet | Sequence[PromptSet] | Sequence[str] | Sequence[Sequence[int]],
+                      k: int = 3, max_new_tokens: int = 64) -> dict[str, Any]:
+    """Greedy chain-of-K acceptance in vLLM's counters, to compare with what vLLM reports for the same draft.
+
+    Returns num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos [K] (steps that
+    accepted position j, vLLM's `num_accepted_tokens_per_pos`), mean_acceptance_length (= tau).
+    """
+    res = evaluate_draft(target_model, tokenizer, draft, prompts, chain=[k], tree=(), temperature=0.0,
+                         max_new_tokens=max_new_tokens, baseline=False, warmup=False, progress=False)
+    s = res.overall()[ChainSpec(k).name]
+    n = s.steps
+    return {"num_drafts": n, "num_draft_tokens": n * k, "num_accepted_tokens": s.accepted,
+            "accepted_per_pos": [round(r * n) for r in s.accept_rate_by_pos],
+            "mean_acceptance_length": s.tau, "acceptance_rate": s.accepted / (n * k) if n else None}

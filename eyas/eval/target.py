@@ -1,0 +1,140 @@
+"""The target model for decoding: a transformers causal LM with a KV cache we can crop and prune,
+and the aux-layer hidden states the draft needs, captured during the same forward pass.
+
+Aux id k is the input of decoder layer k (transformers' `hidden_states[k]`,
+docs/architecture.md): a forward pre-hook on layer k records it, so no extra pass and no
+`output_hidden_states` over all layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from eyas.utils.io import EyasError
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The text decoder's layer list of a causal LM (plain, MoE, or wrapped in a multimodal model)."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    for root in (decoder, getattr(model, "model", None), getattr(getattr(model, "model", None), "language_model", None)):
+        layers = getattr(root, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    best = None
+    for name, module in model.named_modules():  # last resort: the longest ModuleList named *layers
+        if isinstance(module, nn.ModuleList) and name.endswith("layers") and (best is None or len(module) > len(best)):
+            best = module
+    if best is None:
+        raise EyasError(f"cannot find the decoder layers of {type(model).__name__}: eval supports transformers "
+                        "causal LMs whose decoder keeps its layers in a `layers` ModuleList")
+    return best
+
+
+class HFTarget:
+    """Wraps a transformers causal LM for speculative decoding (batch 1).
+
+    `forward` runs new tokens against a cache and returns logits and the aux states of those tokens;
+    `keep`/`crop` drop rejected draft tokens from the cache. Call `close()` to remove the hooks.
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int]) -> None:
+        self.model = model.eval()
+        self.layers = decoder_layers(model)
+        bad = [i for i in aux_layer_ids if not 0 <= i < len(self.layers)]
+        if bad:
+            raise EyasError(f"the draft's aux layer ids {bad} do not exist in a target with {len(self.layers)} "
+                            "decoder layers: this draft was trained for another target")
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.capture = True
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [self.layers[i].register_forward_pre_hook(self._make_hook(i), with_kwargs=True)
+                       for i in sorted(set(self.aux_layer_ids))]
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.hidden_size = int(cfg.hidden_size)
+
+    def _make_hook(self, layer_id: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            if self.capture:
+                self._captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
+                attention_mask: torch.Tensor | None = None, last_logits_only: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, position_ids [1, T] -> logits [T or 1, V], aux [T, k*H] (None when capture is off).
+
+        attention_mask: None for causal, or an additive 4-D mask [1, 1, T, cached + T] (tree verify).
+        """
+        self._captured.clear()
+        kwargs: dict[str, Any] = {}
+        if last_logits_only:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
+                         attention_mask=attention_mask, use_cache=True, **kwargs)
+        logits = out.logits[0]
+        if not self.capture:
+            return logits, None
+        aux = torch.cat([self._captured[i][0] for i in self.aux_layer_ids], dim=-1)  # [T, k*H]
+        self._captured.clear()
+        return logits, aux
+
+    def tree_mask(self, cached: int, ancestors: torch.Tensor) -> torch.Tensor:
+        """ancestors [T, T] bool (row i may see tree node j) -> additive mask [1, 1, T, cached + T].
+
+        Additive float in the model's dtype: it means the same to SDPA and eager attention (a bool
+        mask would be *added* by the eager path), and transformers passes a 4-D mask through as is.
+        """
+        T = ancestors.shape[0]
+        mask = torch.zeros(1, 1, T, cached + T, dtype=self.dtype, device=self.device)
+        mask[0, 0, :, cached:].masked_fill_(~ancestors, torch.finfo(self.dtype).min)
+        return mask
+
+
+def _layer_tensors(cache: DynamicCache):
+    for layer in cache.layers:
+        if not hasattr(layer, "keys") or getattr(layer, "is_sliding", False):
+            raise EyasError(f"eval cannot prune a {type(layer).__name__} cache layer: use a target with full "
+                            "attention KV caches (no sliding-window or linear-attention layers)")
+        yield layer
+
+
+def cache_crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` cached positions (rejected chain tokens dropped)."""
+    for layer in _layer_tensors(cache):
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def cache_keep(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep cached positions `index` (1-D, ascending): the prefix plus the accepted tree path."""
+    for layer in _layer_tensors(cache):
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+
+
+def stop_token_ids(model: nn.Module, tokenizer: Any | None) -> set[int]:
+    """End-of-sequence ids from the tokenizer, the model config and the generation config."""
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return ids

@@ -1,0 +1,574 @@
+"""Serving layouts for an EAGLE-3 draft (vLLM, SGLang, speculators) and readers for foreign checkpoints.
+
+Every engine reads the same tensors, under different names and with different config conventions.
+The differences that silently cost acceptance, and how each layout spells them:
+
+| | eyas / vLLM | speculators | SGLang / SpecForge | EAGLE (yuhuili) |
+| --- | --- | --- | --- | --- |
+| decoder layer names | `layers.0.*` | `layers.0.*` | `midlayer.*` | `midlayer.*` |
+| aux layer ids | `eagle_aux_hidden_state_layer_ids` = k | same, top level | `eagle_config` ids = k - 1 | none: [2, N//2, N-3] |
+| residual before hidden_norm | `norm_before_residual` absent = False | absent = **True** in vLLM's reader | always False | always False |
+| number of aux layers | `num_aux_hidden_states` (else 3) | len(ids) | 3 | 3 |
+
+Layer id k means the input of target decoder layer k (eyas, vLLM, speculators, transformers'
+`hidden_states[k]`). SGLang adds 1 to the explicit ids it reads from `eagle_config`, so it must be
+given k - 1. SGLang skips any tensor name it does not know without a word: a draft saved with
+`layers.0.*` names runs there with a random decoder layer. These writers spell each layout out in
+full and the readers undo it, so `import_draft(export_draft(d))` returns identical tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import eyas
+from eyas.model.config import DraftConfig, _text_config, target_config_sha256, target_rope
+from eyas.model.draft import Eagle3Draft, check_state_dict
+from eyas.utils.io import EyasError, atomic_path, atomic_write_json
+
+FORMATS = ("vllm", "sglang", "speculators")
+LAYOUTS = ("eyas", "vllm", "speculators", "sglang", "eagle")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format we write and test against
+EXPORT_FORMAT = "eyas.export/1"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DECODER_PREFIX = {"vllm": "layers.0.", "speculators": "layers.0.", "sglang": "midlayer."}
+# Tensors some writers add that the draft itself does not use (speculators keeps the verifier's head
+# for its training loss; SGLang-style multi-layer drafts would use `midlayers.N`).
+_IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
+
+
+@dataclass
+class ExportOptions:
+    """What the serving folder says about the draft beyond its weights."""
+
+    verifier: str | None = None  # the target's HF id or path as the engine should load it
+    dtype: str = "bfloat16"  # floating tensors; d2t stays int64 and t2d bool
+    num_speculative_tokens: int = 3
+    include_embedding: bool = True  # the engines fall back to the target's embedding without it
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+
+def export_draft(draft: Eagle3Draft, out: str | Path, fmt: str, options: ExportOptions | None = None,
+                 manifest: dict[str, Any] | None = None) -> Path:
+    """Write `draft` as a folder that `fmt` ("vllm", "sglang", "speculators") serves; returns it.
+
+    The folder holds config.json, model.safetensors, a README.md with the exact serve command and,
+    when given, `manifest` as manifest.json; it is written atomically (a crash leaves the old folder
+    or none).
+    """
+    options = options or ExportOptions()
+    if fmt not in FORMATS:
+        raise EyasError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)} (or all)")
+    if options.dtype not in _DTYPES:
+        raise EyasError(f"unknown dtype {options.dtype!r}: choose one of {', '.join(_DTYPES)}")
+    if options.num_speculative_tokens < 1:
+        raise EyasError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
+    cfg = draft.config
+    _check_exportable(cfg, fmt)
+    out = Path(out).absolute()
+    verifier = options.verifier or cfg.target or None
+    config = {"vllm": vllm_config, "sglang": sglang_config, "speculators": speculators_config}[fmt](
+        cfg, options.dtype, verifier=verifier, num_speculative_tokens=options.num_speculative_tokens)
+    tensors = export_tensors(draft, fmt, _DTYPES[options.dtype], options.include_embedding)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        atomic_write_json(tmp / "config.json", config)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "eyas": EXPORT_FORMAT})
+        (tmp / "README.md").write_text(serve_readme(fmt, out, cfg, verifier, options.num_speculative_tokens))
+        if manifest is not None:
+            atomic_write_json(tmp / "manifest.json", manifest)
+    return out
+
+
+def _check_exportable(cfg: DraftConfig, fmt: str) -> None:
+    """Refuse what an engine would load wrongly rather than export something that serves badly."""
+    k = cfg.num_aux_layers
+    if fmt == "sglang" and k != 3:
+        raise EyasError(f"SGLang's EAGLE-3 draft reads exactly 3 aux layers (fc input 3 x target hidden); this draft "
+                        f"uses {k} ({cfg.aux_layer_ids}). Export --format vllm or speculators, or train with 3 layers.")
+    if fmt == "sglang" and min(cfg.aux_layer_ids) < 1:
+        raise EyasError(f"SGLang cannot capture the embeddings (layer id 0) as an aux layer: its ids are k - 1; "
+                        f"this draft uses {cfg.aux_layer_ids}.")
+    if fmt == "speculators" and cfg.target_hidden_size != cfg.hidden_size:
+        raise EyasError(f"speculators sizes fc as {k} x the draft's hidden size ({cfg.hidden_size}), but this draft "
+                        f"reads target states of size {cfg.target_hidden_size}: export --format vllm instead.")
+    if cfg.hidden_act != "silu":
+        raise EyasError(f"hidden_act {cfg.hidden_act!r} is not supported by the engines' EAGLE-3 drafts (silu only)")
+
+
+def export_tensors(draft: Eagle3Draft, fmt: str, dtype: torch.dtype = torch.bfloat16,
+                   include_embedding: bool = True) -> dict[str, torch.Tensor]:
+    """The draft's state dict under `fmt`'s names: floats in `dtype`, d2t int64, t2d bool."""
+    prefix = _DECODER_PREFIX[fmt]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in draft.state_dict().items():
+        if name == "embed_tokens.weight" and not include_embedding:
+            continue
+        t = t.detach().cpu()
+        if name == "d2t":
+            t = t.to(torch.int64)
+        elif name == "t2d":
+            t = t.to(torch.bool)
+        else:
+            t = t.to(dtype)
+        if name.startswith("layers.0."):
+            name = prefix + name[len("layers.0."):]
+        tensors[name] = t.contiguous()
+    return tensors
+
+
+def _llama_fields(cfg: DraftConfig, dtype: str) -> dict[str, Any]:
+    """The decoder layer as a transformers LlamaConfig (rope in the 4.x spelling every engine reads)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        # SGLang ties lm_head to embed_tokens when this is true: the draft head would be the target's.
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
+
+
+def _eyas_block(cfg: DraftConfig, fmt: str) -> dict[str, Any]:
+    """What the engines don't need but a later import does: the target's identity, ids in eyas' convention."""
+    return {"format": EXPORT_FORMAT, "layout": fmt, "eyas_version": eyas.__version__,
+            "aux_layer_ids": list(cfg.aux_layer_ids), "target": cfg.target,
+            "target_num_layers": cfg.target_num_layers, "target_config_sha256": cfg.target_config_sha256}
+
+
+def vllm_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None = None,
+                num_speculative_tokens: int = 3) -> dict[str, Any]:
+    """vLLM's `LlamaForCausalLMEagle3` config (vllm/model_executor/models/llama_eagle3.py)."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(cfg, dtype),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        # read by the target runner to pick the layers to capture (input of decoder layer k)
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        # read by the draft to size fc (vLLM assumes 3 without it)
+        "num_aux_hidden_states": cfg.num_aux_layers,
+        "norm_before_residual": False,
+        "eyas": _eyas_block(cfg, "vllm"),
+    }
+
+
+def sglang_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None = None,
+                  num_speculative_tokens: int = 3) -> dict[str, Any]:
+    """SGLang's `LlamaForCausalLMEagle3` config: SGLang adds 1 to the ids in `eagle_config`."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_fields(cfg, dtype),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.aux_layer_ids],
+                         "use_aux_hidden_state": True},
+        "eyas": _eyas_block(cfg, "sglang"),
+    }
+
+
+def speculators_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None = None,
+                       num_speculative_tokens: int = 3) -> dict[str, Any]:
+    """speculators' `Eagle3SpeculatorConfig`: `vllm serve <folder>` reads the target from `verifier`."""
+    if not verifier:
+        raise EyasError("the speculators format names the target model that `vllm serve <draft>` loads: "
+                        "pass --verifier <HF id or path of the target>")
+    layer = _llama_fields(cfg, dtype)
+    layer.pop("torch_dtype")
+    if cfg.num_aux_layers != 3:  # vLLM builds its draft from this dict and assumes 3 aux layers without it
+        layer["num_aux_hidden_states"] = cfg.num_aux_layers
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        # vLLM's speculators reader defaults this to True when absent: always spell it out
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": _verifier_architectures(verifier)},
+        },
+        "torch_dtype": dtype,
+        "eyas": _eyas_block(cfg, "speculators"),
+    }
+
+
+def _verifier_architectures(verifier: str) -> list[str]:
+    path = Path(verifier) / "config.json"
+    if path.is_file():
+        try:
+            return list(json.loads(path.read_text()).get("architectures") or [])
+        except (OSError, json.JSONDecodeError):
+            return []
+    return []
+
+
+def serve_readme(fmt: str, out: Path, cfg: DraftConfig, verifier: str | None, k: int) -> str:
+    """README.md for an export folder: the exact command that serves it, and what it was made from."""
+    target = verifier or "<target model>"
+    ids = cfg.aux_layer_ids
+    if fmt == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
+        command = f"vllm serve {target} \\\n  --speculative-config '{spec}'"
+        python = (f"from vllm import LLM\nllm = LLM(model=\"{target}\",\n          speculative_config={spec})")
+        ids_note = f"`eagle_aux_hidden_state_layer_ids` = {ids} (vLLM: input of decoder layer k)."
+    elif fmt == "speculators":
+        command = f"vllm serve {out}"
+        python = f"from vllm import LLM\nllm = LLM(model=\"{out}\")  # loads the target named in config.json"
+        ids_note = (f"`eagle_aux_hidden_state_layer_ids` = {ids} (input of decoder layer k); vLLM reads the target "
+                    f"`{target}` from `speculators_config.verifier`.")
+    else:
+        command = (f"python -m sglang.launch_server --model-path {target} \\\n  --speculative-algorithm EAGLE3 "
+                   f"--speculative-draft-model-path {out} \\\n  --speculative-num-steps {k} "
+                   f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+        python = None
+        ids_note = (f"`eagle_config.eagle_aux_hidden_state_layer_ids` = {[i - 1 for i in ids]}: SGLang adds 1, so the "
+                    f"target captures the inputs of decoder layers {ids}, as in training.")
+    lines = [
+        f"# EAGLE-3 draft for `{target}` ({fmt} layout)",
+        "",
+        f"Exported by eyas {eyas.__version__}. Serve it with:",
+        "",
+        "```bash",
+        command,
+        "```",
+    ]
+    if python:
+        lines += ["", "Offline, from Python:", "", "```python", python, "```"]
+    lines += [
+        "",
+        f"- draft: hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, "
+        f"draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size} (d2t/t2d maps included).",
+        f"- aux layers: {ids_note}",
+        f"- target fingerprint (eyas): `{cfg.target_config_sha256 or 'unknown'}`; serving it with another target "
+        "gives low acceptance, not an error.",
+        f"- `num_speculative_tokens` {k} is a starting point: tune it against the acceptance `eyas eval` reports.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    file = path / "config.json"
+    if not file.is_file():
+        raise EyasError(f"{path} is not a draft checkpoint: it has no config.json")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EyasError(f"cannot read {file}: {e}") from e
+    if not isinstance(data, dict):
+        raise EyasError(f"{file} is not a JSON object")
+    return data
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder: model.safetensors, sharded safetensors, or pytorch_model.bin."""
+    path = Path(path)
+    files: list[Path] = []
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as e:
+                raise EyasError(f"cannot read {index}: {e}") from e
+            files = [path / f for f in sorted(set(weight_map.values()))]
+            break
+    if not files and (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]  # a training folder may hold other safetensors next to it
+    if not files:
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise EyasError(f"{path} has no weights (model.safetensors or pytorch_model.bin)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt") as f:
+                    tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+            else:
+                tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+        except EyasError:
+            raise
+        except Exception as e:  # safetensors and torch raise their own types on corrupt files
+            raise EyasError(f"cannot read weights {file}: {e}") from e
+    return tensors
+
+
+def detect_layout(config: dict[str, Any], names: Iterable[str]) -> str:
+    """Which writer made a checkpoint: "eyas", "vllm", "speculators", "sglang" (also SpecForge) or "eagle"."""
+    if "speculators_model_type" in config:
+        return "speculators"
+    block = config.get("eyas")
+    if isinstance(block, dict) and block.get("layout") in FORMATS:
+        return block["layout"]
+    if "aux_layer_ids" in config and "target_hidden_size" in config and "architectures" not in config:
+        return "eyas"
+    names = list(names)
+    if any(_strip_model(n).startswith("midlayer.") for n in names):
+        return "sglang" if isinstance(config.get("eagle_config"), dict) else "eagle"
+    if any(_strip_model(n).startswith("layers.0.") for n in names):
+        return "vllm"
+    raise EyasError("cannot tell which EAGLE-3 layout this is: no `midlayer.*` or `layers.0.*` tensors and no "
+                    "eyas or speculators config")
+
+
+def _strip_model(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_ids: list[int] | None = None,
+                 layout: str = "auto") -> Eagle3Draft:
+    """Read an EAGLE-3 draft in any layout (eyas, vLLM, speculators, SGLang/SpecForge, EAGLE) as an Eagle3Draft.
+
+    `target` (a transformers folder) is checked against the draft (vocabulary, hidden size, layer
+    count, fingerprint), supplies the embedding when the checkpoint left it out (SpecForge and EAGLE
+    do), and the layer count EAGLE's hard-coded aux layers derive from. `aux_layer_ids` (eyas'
+    convention: input of decoder layer k) overrides what the checkpoint says.
+    """
+    path = Path(path)
+    where = str(path)
+    if not path.is_dir():
+        raise EyasError(f"{path} is not a folder: give the folder holding config.json and the weights")
+    config = read_config(path)
+    tensors = read_tensors(path)
+    if layout == "auto":
+        layout = detect_layout(config, tensors)
+    elif layout not in LAYOUTS:
+        raise EyasError(f"unknown layout {layout!r}: choose one of auto, {', '.join(LAYOUTS)}")
+    target_config = _load_target_config(target) if target is not None else None
+
+    if layout == "eyas":
+        cfg = DraftConfig.load(path / "config.json")
+    else:
+        cfg = _config_from_foreign(config, layout, where, target_config, str(target) if target else "")
+    if aux_layer_ids is not None:
+        cfg.aux_layer_ids = [int(i) for i in aux_layer_ids]
+    if target_config is not None:
+        check_draft_target(cfg, target_config, where, str(target))
+    state = _normalize_names(tensors, where)
+    _fill_missing(state, cfg, target, where)
+    model = Eagle3Draft(cfg)
+    check_state_dict(model, state, where)
+    check_vocab_maps(state["d2t"], state["t2d"], where)
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()})
+    return model
+
+
+def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_config: Any, target: str) -> DraftConfig:
+    """DraftConfig from a vLLM / speculators / SGLang / EAGLE config.json, refusing variants eyas can't run."""
+    block = c.get("eyas") if isinstance(c.get("eyas"), dict) else {}
+    layer = c.get("transformer_layer_config") if layout == "speculators" else c
+    if not isinstance(layer, dict):
+        raise EyasError(f"{where}/config.json: speculators config without a transformer_layer_config")
+    if layout == "speculators" and c.get("speculators_model_type") != "eagle3":
+        raise EyasError(f"{where}: speculators model type {c.get('speculators_model_type')!r} is not eagle3")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in layer]
+    if missing:
+        raise EyasError(f"{where}/config.json: missing {missing}: not an EAGLE-3 draft config")
+    # Variants of the decoder layer that Eagle3Draft does not compute: loading them would be silently wrong.
+    unsupported = {"norm_before_residual": c.get("norm_before_residual", False),
+                   "norm_before_fc": c.get("norm_before_fc", False), "fc_norm": c.get("fc_norm", False),
+                   "norm_output": c.get("norm_output", False),
+                   "attention_bias": layer.get("attention_bias", False), "mlp_bias": layer.get("mlp_bias", False)}
+    if layout == "speculators" and "norm_before_residual" not in c:
+        unsupported["norm_before_residual"] = True  # what vLLM assumes when speculators leaves it out
+    bad = [k for k, v in unsupported.items() if v]
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        bad.append(f"num_hidden_layers={layer['num_hidden_layers']}")
+    if layer.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act={layer['hidden_act']}")
+    if bad:
+        raise EyasError(f"{where}: this EAGLE-3 variant is not supported by eyas' draft model ({', '.join(bad)})")
+
+    hidden = int(layer["hidden_size"])
+    heads = int(layer["num_attention_heads"])
+    vocab = int(layer["vocab_size"])
+    theta, scaling = target_rope(SimpleNamespace(**{k: v for k, v in layer.items()
+                                                    if k in ("rope_theta", "rope_scaling", "rope_parameters")}))
+    target_layers = int(block.get("target_num_layers") or 0)
+    if target_config is not None:
+        target_layers = int(_text_config(target_config).num_hidden_layers)
+    return DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=int(layer["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads),
+        vocab_size=vocab,
+        draft_vocab_size=int(c.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
+        target_hidden_size=int(c.get("target_hidden_size") or layer.get("target_hidden_size") or hidden),
+        aux_layer_ids=_foreign_aux_ids(c, layout, where, target_layers),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
+        hidden_act="silu",
+        target=str(block.get("target") or (c.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+                   or target or ""),
+        target_num_layers=target_layers,
+        target_config_sha256=str(block.get("target_config_sha256") or
+                                 (target_config_sha256(target_config) if target_config is not None else "")),
+    )
+
+
+def _foreign_aux_ids(c: dict[str, Any], layout: str, where: str, target_layers: int) -> list[int]:
+    """Aux layer ids in eyas' convention, read the way the layout's own engine reads them."""
+    top = c.get("eagle_aux_hidden_state_layer_ids")
+    nested = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layout in ("vllm", "speculators") and top:
+        return [int(i) for i in top]
+    if layout == "vllm" and nested:  # vLLM reads eagle_config ids as they are
+        return [int(i) for i in nested]
+    if layout in ("sglang", "eagle") and nested:  # SGLang (and SpecForge, which trains for it) add 1
+        return [int(i) + 1 for i in nested]
+    if target_layers > 0:  # EAGLE hard-codes the inputs of layers 2, N//2, N-3; so do vLLM and SGLang by default
+        return [2, target_layers // 2, target_layers - 3]
+    raise EyasError(f"{where}: the checkpoint does not say which target layers it reads (EAGLE's own checkpoints "
+                    "never do): pass --target <target model folder> to use the default [2, N//2, N-3], or "
+                    "--aux-layer-ids")
+
+
+def _normalize_names(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Foreign names -> eyas names: drop `model.`, `midlayer.` -> `layers.0.`, leave out verifier copies."""
+    state: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        name = _strip_model(name)
+        if name in _IGNORED:
+            continue
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        if name.startswith(("layers.1.", "midlayers.1.", "additional_layers.")):
+            raise EyasError(f"{where}: drafts with more than one decoder layer are not supported ({name})")
+        if name in state:
+            raise EyasError(f"{where}: tensor {name} appears twice under different spellings")
+        state[name] = t
+    return state
+
+
+def _fill_missing(state: dict[str, torch.Tensor], cfg: DraftConfig, target: str | Path | None, where: str) -> None:
+    """Rebuild what writers leave out: the embedding (from the target), one vocab map from the other."""
+    V, Vd = cfg.vocab_size, cfg.draft_vocab_size
+    if "embed_tokens.weight" not in state:
+        if target is None:
+            raise EyasError(f"{where}: the checkpoint has no embed_tokens (SpecForge and EAGLE leave the target's "
+                            "embedding out): pass --target <target model folder> to copy it from the target")
+        state["embed_tokens.weight"] = target_embedding(target)
+    if "d2t" not in state and "t2d" not in state:
+        if Vd != V:
+            raise EyasError(f"{where}: missing d2t and t2d, needed for a draft vocabulary of {Vd} < {V} tokens")
+        state["d2t"] = torch.zeros(Vd, dtype=torch.int64)
+        state["t2d"] = torch.ones(V, dtype=torch.bool)
+    elif "t2d" not in state:
+        t2d = torch.zeros(V, dtype=torch.bool)
+        ids = torch.arange(state["d2t"].numel()) + state["d2t"].to(torch.int64)
+        if ids.numel() and (ids.min() < 0 or ids.max() >= V):
+            raise EyasError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {V})")
+        t2d[ids] = True
+        state["t2d"] = t2d
+    elif "d2t" not in state:
+        chosen = torch.nonzero(state["t2d"].to(torch.bool)).flatten()
+        state["d2t"] = chosen - torch.arange(chosen.numel())
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
+    """d2t and t2d must describe the same set of distinct target ids, or the draft proposes wrong tokens."""
+    V, Vd = t2d.numel(), d2t.numel()
+    ids = torch.arange(Vd) + d2t.to(torch.int64).cpu()
+    if Vd and (ids.min() < 0 or ids.max() >= V):
+        raise EyasError(f"{where}: d2t maps draft ids to target ids outside [0, {V}): the vocab maps are corrupt")
+    if torch.unique(ids).numel() != Vd:
+        raise EyasError(f"{where}: d2t maps two draft ids to the same target id: the vocab maps are corrupt")
+    t2d = t2d.to(torch.bool).cpu()
+    if int(t2d.sum()) != Vd or not bool(t2d[ids].all()):
+        raise EyasError(f"{where}: t2d marks {int(t2d.sum())} target ids but d2t maps {Vd} others: the two vocab "
+                        "maps disagree (re-export the draft)")
+
+
+# -- the target ------------------------------------------------------------------------------------
+
+
+def _load_target_config(target: str | Path | Any) -> Any:
+    if not isinstance(target, (str, Path)):
+        return target  # already a config object
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(target), local_files_only=True)
+    except Exception as e:  # transformers raises OSError / ValueError variants
+        raise EyasError(f"cannot read the target's config from {target}: {e}") from e
+
+
+def check_draft_target(cfg: DraftConfig, target_config: Any, where: str, target_name: str = "") -> None:
+    """Refuse a draft made for another target, naming what differs (the engines would only lose acceptance)."""
+    c = _text_config(target_config)
+    name = target_name or getattr(c, "_name_or_path", "") or "the target"
+    problems = []
+    if int(c.vocab_size) != cfg.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target's {c.vocab_size}")
+    if int(c.hidden_size) != cfg.target_hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target's hidden_size {c.hidden_size}")
+    layers = int(c.num_hidden_layers)
+    if cfg.aux_layer_ids and (min(cfg.aux_layer_ids) < 0 or max(cfg.aux_layer_ids) > layers):
+        problems.append(f"aux_layer_ids {cfg.aux_layer_ids} outside the target's layers [0, {layers}]")
+    sha = target_config_sha256(target_config)
+    if cfg.target_config_sha256 and cfg.target_config_sha256 != sha:
+        problems.append(f"target_config_sha256 {cfg.target_config_sha256[:12]}... != target's {sha[:12]}... "
+                        f"(the draft was trained for {cfg.target or 'another target'})")
+    if problems:
+        raise EyasError(f"{where}: this draft does not fit {name}: " + "; ".join(problems)
+                        + ". Use the target it was trained for, or train a draft for this one.")
+
+
+def target_embedding(target: str | Path) -> torch.Tensor:
+    """The target's input embedding [V, H], read from its safetensors without loading the model."""
+    target = Path(target)
+    names = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
+             "language_model.model.embed_tokens.weight", "transformer.wte.weight")
+    files = sorted(target.glob("*.safetensors"))
+    if not files:
+        raise EyasError(f"{target} has no *.safetensors to take the target's embedding from")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name in keys:
+                    return f.get_tensor(name)
+    raise EyasError(f"{target}: no embedding tensor ({', '.join(names[:2])}, ...) in its safetensors files")

@@ -1,0 +1,458 @@
+"""The training loop: TTT steps on packed batches, mixed precision, accumulation, clipping, AdamW
+with warmup + cosine, checkpoints with exact resume, and logs.
+
+Precision, by device and parallelism:
+- fp32 (the CPU default): everything fp32.
+- bf16 on one GPU or DDP: the model's weights ARE bf16 (no per-step weight casts, half the weight
+  and gradient memory); the optimizer steps fp32 master copies and writes them back. Gradients of
+  several micro-batches are summed in fp32. DDP averages bf16 gradients in fp32.
+- bf16 with FSDP2: fp32 sharded weights, gathered in bf16 for compute, gradients reduced in fp32.
+
+Normalization: a batch's loss is sum over valid rows and steps of 0.8^j CE / (valid step-0 rows
+of the whole global batch). That count is only known after the forward passes (it depends on the
+target's argmax), so the backward runs on the unnormalized sum and the gradients are scaled once
+per optimizer step, by a device tensor: no host sync in the loop except at log intervals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.engines.head import TargetHead
+from eyas.model.draft import Eagle3Draft, check_state_dict
+from eyas.model.vocab import draft_to_target_ids, target_to_draft_ids
+from eyas.train import distributed as D
+from eyas.train.loss import target_distribution
+from eyas.train.ttt import TTTConfig, TTTModel, summarize
+from eyas.utils.io import EyasError, atomic_path, atomic_write_json, read_json
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_ratio: float = 0.015
+    warmup_steps: int = 0  # > 0 overrides warmup_ratio
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    token_budget: int = 0  # tokens per packed micro-batch; 0 = 16384 on GPU, 2048 on CPU
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int = 0  # > 0 overrides epochs
+    save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    attention: str = "auto"  # auto (flex on GPU) | flex | math
+    compile: bool | None = None  # None = on for CUDA
+    fsdp: bool = False
+    num_workers: int = 2
+    report_to: str = "auto"  # auto | tensorboard | wandb | none
+    device: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise EyasError(f"unknown --dtype '{self.dtype}': use auto, bf16 or fp32")
+        return DTYPES[self.dtype]
+
+    def resolved_budget(self, device: torch.device) -> int:
+        return self.token_budget or (16384 if device.type == "cuda" else 2048)
+
+    def schedule_options(self) -> dict[str, Any]:
+        """Options a resumed run must share with the run it continues (else the curve differs)."""
+        keep = ("ttt_steps", "ttt_decay", "lr", "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay",
+                "betas", "grad_clip", "token_budget", "grad_accum", "epochs", "max_steps", "seed", "dtype")
+        d = asdict(self)
+        return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in keep}
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:  # step = optimizer steps done so far
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+class MasterWeights:
+    """fp32 copies of bf16 parameters: what the optimizer updates."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in params]
+
+    def collect_grads(self) -> None:
+        """Add the bf16 gradients into the fp32 ones and free them (after each micro-batch)."""
+        for p, m in zip(self.params, self.master):
+            if p.grad is None:
+                continue
+            if m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.add_(p.grad)
+            p.grad = None
+
+    @torch.no_grad()
+    def push(self) -> None:
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+
+
+class Trainer:
+    """One optimizer step at a time over lists of packed micro-batches (eyas.train.data)."""
+
+    def __init__(self, cfg: TrainConfig, draft: Eagle3Draft, head: TargetHead, info: D.DistInfo,
+                 total_steps: int) -> None:
+        self.cfg, self.info, self.total_steps = cfg, info, total_steps
+        dev = self.device = info.device
+        self.dtype = cfg.resolved_dtype(dev)
+        self.bf16 = self.dtype == torch.bfloat16
+        compile_ = dev.type == "cuda" if cfg.compile is None else cfg.compile
+        if dev.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.mode = "fsdp" if cfg.fsdp and info.distributed else ("master" if self.bf16 else "fp32")
+        if cfg.fsdp and not info.distributed:
+            self.mode = "master" if self.bf16 else "fp32"  # one process: nothing to shard
+
+        draft = draft.to(dev)
+        if self.mode == "master":
+            draft = draft.to(self.dtype)
+        self.draft = draft
+        ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention, compile=compile_)
+        model = TTTModel(draft, ttt_cfg)
+        self.weights = model.weights
+        trainable = [p for p in draft.parameters() if p.requires_grad]
+        self.master: MasterWeights | None = None
+        if self.mode == "fsdp":
+            model = D.wrap_fsdp(model, list(draft.layers), self.dtype if self.bf16 else None)
+            opt_params = [p for p in model.parameters() if p.requires_grad]
+        else:
+            if info.distributed:
+                model = D.wrap_ddp(model, info)
+            if self.mode == "master":
+                self.master = MasterWeights(trainable)
+                opt_params = self.master.master
+            else:
+                opt_params = trainable
+        self.model = model
+        self.opt_params = opt_params
+        fused = dev.type == "cuda" and self.mode != "fsdp"
+        self.opt = torch.optim.AdamW(opt_params, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8,
+                                     weight_decay=cfg.weight_decay, fused=fused or None,
+                                     foreach=None if fused else True)
+        warmup = cfg.warmup_steps or max(1, round(cfg.warmup_ratio * total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
+
+        # the target's head on the device, in the compute dtype; its embedding stays on the host
+        self.head = TargetHead(torch.empty(0), head.norm_weight.to(dev, torch.float32),
+                               head.lm_head.to(dev, self.dtype), head.norm_eps, head.norm_offset, head.embed_scale)
+        self.vocab_ids = None if draft.config.draft_vocab_size == draft.config.vocab_size else \
+            draft_to_target_ids(draft.d2t).to(dev)
+        self.t2d_index = target_to_draft_ids(draft.t2d.cpu()).to(dev)
+        self.step = 0
+        S = cfg.ttt_steps
+        self.window = torch.zeros(S, 3, dtype=torch.float32, device=dev)  # stats since the last log
+        self.last_norm = torch.zeros((), device=dev)
+
+    # ------------------------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        nb = self.device.type == "cuda"
+        return {k: (v.to(self.device, non_blocking=nb) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def forward_batch(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, stats [S, 3]) of one packed micro-batch; builds the graph for backward."""
+        b = self._to_device(batch)
+        final = b["final_hidden"].to(self.dtype)
+        with torch.no_grad():
+            tgt = target_distribution(self.head, final, self.vocab_ids, self.t2d_index,
+                                      pad_rows=self.cfg.ttt_steps + 1, dtype=self.dtype)
+        docs = b["document_ids"][None] if b["multi_doc"] else None
+        with self.autocast():
+            return self.model(b["input_ids"][None], b["aux_hidden"][None].to(self.dtype), b["position_ids"][None],
+                              b["loss_mask"][None], tgt.probs, tgt.ids, docs)
+
+    def train_step(self, micro: list[dict[str, Any]]) -> torch.Tensor:
+        """One optimizer step; returns this step's stats [S, 3] summed over ranks (device tensor)."""
+        self.model.train()
+        stats = torch.zeros_like(self.window)
+        # master weights sum micro-batch gradients in fp32, so under DDP each one is reduced
+        sync_each = self.master is not None and self.info.distributed and self.mode != "fsdp"
+        for m, batch in enumerate(micro):
+            last = m == len(micro) - 1
+            with D.gradient_sync(self.model, last or sync_each):
+                loss, st = self.forward_batch(batch)
+                loss.backward()
+            stats += st
+            if self.master is not None and len(micro) > 1:
+                self.master.collect_grads()
+        if self.mode == "fsdp":
+            D.gradient_sync(self.model, True)
+        if self.master is not None:
+            self.master.collect_grads()
+        D.all_reduce_sum_(stats)
+        # DDP/FSDP averaged the gradients over ranks; make them sum / (global valid step-0 rows)
+        scale = self.info.world / stats[0, 2].clamp(min=1.0)
+        grads = [D.local_tensor(p.grad) for p in self.opt_params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        self.last_norm = torch.nn.utils.clip_grad_norm_(self.opt_params, self.cfg.grad_clip, foreach=True)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.push()
+        self.step += 1
+        self.window += stats
+        return stats
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def draft_state(self) -> dict[str, torch.Tensor]:
+        """The full draft state dict on the host (fp32 master weights where they exist). Collective
+        under FSDP: every rank must call it; only rank 0 gets a non-empty dict."""
+        if self.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {k.removeprefix("draft."): v for k, v in sd.items()}
+        state = {k: v.detach().cpu() for k, v in self.draft.state_dict().items()}
+        if self.master is not None:
+            names = {id(p): n for n, p in self.draft.named_parameters()}
+            for p, m in zip(self.master.params, self.master.master):
+                state[names[id(p)]] = m.detach().cpu()
+        return state
+
+    def optim_state(self) -> dict[str, Any]:
+        if self.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.model, self.opt,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.opt.state_dict()
+
+    def load_states(self, draft_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        check_state_dict(self.draft, draft_state, "checkpoint")
+        if self.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, {f"draft.{k}": v for k, v in draft_state.items()}, options=opts)
+            set_optimizer_state_dict(self.model, self.opt, optim_state_dict=optim_state, options=opts)
+            return
+        with torch.no_grad():
+            for k, v in self.draft.state_dict().items():
+                v.copy_(draft_state[k])
+        if self.master is not None:
+            names = {id(p): n for n, p in self.draft.named_parameters()}
+            with torch.no_grad():
+                for p, m in zip(self.master.params, self.master.master):
+                    m.copy_(draft_state[names[id(p)]])
+        self.opt.load_state_dict(optim_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint files: OUT/train_state/step-N/
+# ---------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save_checkpoint(trainer: Trainer, root: Path, progress: dict[str, Any], keep: int) -> Path | None:
+    """Collective: rank 0 writes OUT/train_state/step-N atomically and prunes old ones."""
+    draft_state, optim = trainer.draft_state(), trainer.optim_state()
+    rng = rng_state()
+    path = root / f"step-{trainer.step:08d}"
+    if trainer.info.is_main:
+        with atomic_path(path) as tmp:
+            tmp.mkdir()
+            save_file({k: v.contiguous() for k, v in draft_state.items()}, str(tmp / "draft.safetensors"))
+            torch.save({"optimizer": optim, "scheduler": trainer.sched.state_dict(), "rng": rng,
+                        "window": trainer.window.cpu()}, tmp / "state.pt")
+            atomic_write_json(tmp / "progress.json", {**progress, "step": trainer.step})
+        done = sorted(p for p in root.glob("step-*") if (p / "progress.json").is_file())
+        for old in done[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    D.barrier()
+    return path if trainer.info.is_main else None
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    done = sorted(p for p in root.glob("step-*") if (p / "progress.json").is_file())
+    return done[-1] if done else None
+
+
+def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
+    progress = read_json(path / "progress.json")
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    trainer.load_states(load_file(str(path / "draft.safetensors")), state["optimizer"])
+    trainer.sched.load_state_dict(state["scheduler"])
+    trainer.window.copy_(state["window"].to(trainer.window.device))
+    trainer.step = int(progress["step"])
+    set_rng_state(state["rng"])
+    return progress
+
+
+# ---------------------------------------------------------------------------------------------
+# logging
+# ---------------------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """metrics.jsonl (one line per log step; a resume drops lines after its checkpoint), plus
+    TensorBoard and W&B when installed and wanted."""
+
+    def __init__(self, out: Path, report_to: str, resume_step: int | None, run_config: dict[str, Any]) -> None:
+        self.path = out / "metrics.jsonl"
+        if resume_step is None:
+            self.path.unlink(missing_ok=True)
+        elif self.path.is_file():
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip()
+                    and json.loads(ln).get("step", 0) <= resume_step]
+            self.path.write_text("".join(k + "\n" for k in keep))
+        self.tb = self.wandb = None
+        want_tb = report_to in ("auto", "tensorboard")
+        want_wandb = report_to == "wandb" or (report_to == "auto" and os.environ.get("WANDB_PROJECT"))
+        if want_tb:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:
+                if report_to == "tensorboard":
+                    raise EyasError("--report-to tensorboard needs `pip install tensorboard`") from None
+        if want_wandb:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "eyas"), config=run_config,
+                                        dir=str(out), resume="allow")
+            except ImportError:
+                if report_to == "wandb":
+                    raise EyasError("--report-to wandb needs `pip install wandb`") from None
+
+    def write(self, rec: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        step = rec["step"]
+        flat = {"train/loss": rec["loss"], "train/tau_sim": rec["tau_sim"], "train/lr": rec["lr"],
+                "train/grad_norm": rec["grad_norm"], "train/tok_per_s": rec["tok_per_s"]}
+        for j, (a, lo) in enumerate(zip(rec["acc"], rec["step_loss"])):
+            flat[f"acc/step{j}"], flat[f"loss/step{j}"] = a, lo
+        if self.tb is not None:
+            for k, v in flat.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(flat, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_info(m: dict[str, Any]) -> str:
+    acc = "/".join(f"{a:.2f}" for a in m["acc"])
+    return f"loss {m['loss']:.3f} acc {acc} tau {m['tau_sim']:.2f}"
+
+
+def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_per_epoch: int,
+             progress_state: dict[str, Any], metrics: MetricsLog | None, engine: Any = None,
+             stop_after: int = 0, log: Any = print) -> dict[str, Any]:
+    """Consume `batches` (eyas.train.data.iterate_batches) until `total_steps` optimizer steps,
+    logging and checkpointing. Returns the last logged metrics."""
+    from eyas.train.data import fill_states
+    from eyas.utils.progress import progress_bar
+
+    cfg = trainer.cfg
+    root = out / "train_state"
+    last: dict[str, Any] = {}
+    session_tokens, t0 = 0, time.perf_counter()
+    window_tokens, tw = 0, time.perf_counter()
+    tokens_total = int(progress_state.get("tokens", 0))
+    show = trainer.info.is_main
+    bar = progress_bar(disable=None if show else True)
+    quiet_bar = bar.disable
+    with bar:
+        task = bar.add_task("train", total=total_steps, completed=trainer.step, tokens=0, info="")
+        for epoch, step_in_epoch, micro in batches:
+            if trainer.step >= total_steps:
+                break
+            if engine is not None:
+                micro = [fill_states(trainer._to_device(b), engine) for b in micro]
+            trainer.train_step(micro)
+            n_tok = sum(int(b["num_tokens"]) for b in micro)
+            n_tok_global = n_tok * trainer.info.world
+            session_tokens += n_tok_global
+            window_tokens += n_tok_global
+            tokens_total += n_tok_global
+            nxt = (epoch, step_in_epoch + 1) if step_in_epoch + 1 < steps_per_epoch else (epoch + 1, 0)
+            progress_state.update(epoch=nxt[0], step_in_epoch=nxt[1], tokens=tokens_total)
+            bar.update(task, completed=trainer.step, tokens=session_tokens)
+            is_last = trainer.step >= total_steps or (stop_after and trainer.step >= stop_after)
+            if trainer.step % cfg.log_every == 0 or is_last:
+                m = summarize(trainer.window, trainer.weights)  # the one host sync of a log interval
+                now = time.perf_counter()
+                rate = window_tokens / max(now - tw, 1e-9)
+                m.update(step=trainer.step, epoch=epoch, lr=trainer.sched.get_last_lr()[0],
+                         grad_norm=float(trainer.last_norm.full_tensor() if hasattr(trainer.last_norm, "full_tensor")
+                                         else trainer.last_norm),
+                         tok_per_s=rate, tokens=tokens_total)
+                trainer.window.zero_()
+                window_tokens, tw = 0, now
+                last = m
+                if show:
+                    bar.update(task, info=format_info(m))
+                    if metrics is not None:
+                        metrics.write(m)
+                    if quiet_bar:
+                        eta = (total_steps - trainer.step) * (now - t0) / max(1, trainer.step - progress_state["start"])
+                        log(f"step {trainer.step}/{total_steps} {format_info(m)} {rate:,.0f} tok/s eta {eta:,.0f}s")
+            if cfg.save_every and trainer.step % cfg.save_every == 0 and trainer.step < total_steps:
+                save_checkpoint(trainer, root, dict(progress_state), cfg.keep_checkpoints)
+            if is_last:
+                break
+    progress_state["elapsed"] = time.perf_counter() - t0
+    return last

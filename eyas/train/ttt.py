@@ -1,0 +1,132 @@
+"""Training-time test (EAGLE-3): the draft is unrolled for `steps` steps on every batch, each step
+fed the draft's own previous output, exactly as it runs at inference.
+
+One packed row of N tokens (several documents side by side, `document_ids` telling them apart):
+
+    step 0:  row t sees token x[t+1] and the target's fused aux state at t   -> predicts p_target(t+1)
+    step j:  row t sees token x[t+1+j] and the draft's step j-1 output at t  -> predicts p_target(t+1+j)
+             at rotary position pos[t] + j, attending to the step-0 keys of its document up to t
+             and to its own keys of steps 1..j (eyas.model.attention.TTTAttention)
+
+The target distribution is computed once per batch (eyas.train.loss.target_distribution) and
+shifted by one row per step; the loss is the step-weighted (0.8^j) soft cross-entropy, summed over
+valid rows. The caller divides by the number of valid step-0 rows of the whole global batch
+(eyas.train.trainer), so the loss of a batch does not depend on how it is split over micro-batches
+and ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.model.attention import TTTAttention
+from eyas.model.draft import Eagle3Draft
+from eyas.train.loss import TargetDist, fused_draft_ce, reference_draft_ce, step_validity, step_weights, tau_sim
+
+
+@dataclass
+class TTTConfig:
+    steps: int = 7
+    decay: float = 0.8
+    attention: str = "auto"  # math | flex | auto (flex on CUDA)
+    compile: bool = False  # torch.compile the layer's two halves and the loss chunk (CUDA)
+    loss_chunk_elems: int = 1 << 25  # draft logits computed this many elements at a time
+    fused_loss: bool = True  # False: plain autograd over full logits (reference, tests)
+
+
+class _CompiledOrEager:
+    """A torch.compile'd function that falls back to eager, with one warning, if compiling fails."""
+
+    def __init__(self, fn: Any, name: str) -> None:
+        self.eager, self.name = fn, name
+        self.compiled: Any = torch.compile(fn, dynamic=False)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # a compiler bug must not end a training run
+                warnings.warn(f"torch.compile of {self.name} failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "running it eagerly", stacklevel=2)
+                self.compiled = None
+        return self.eager(*args)
+
+
+def compile_draft_layers(draft: Eagle3Draft) -> None:
+    """Compile each decoder layer's halves around the attention call (static shapes, no state)."""
+    for i, layer in enumerate(draft.layers):
+        if not isinstance(layer.attention_inputs, _CompiledOrEager):
+            layer.attention_inputs = _CompiledOrEager(layer.attention_inputs, f"layers.{i}.attention_inputs")
+            layer.finish = _CompiledOrEager(layer.finish, f"layers.{i}.finish")
+
+
+def shift_left(x: torch.Tensor, n: int, value: int = 0) -> torch.Tensor:
+    """[B, T] -> [B, T]: x[:, n:] followed by n copies of `value`."""
+    return F.pad(x[:, n:], (0, n), value=value)
+
+
+class TTTModel(nn.Module):
+    """The draft unrolled for TTT; one forward = all steps + the loss, so DDP/FSDP wrap it whole."""
+
+    def __init__(self, draft: Eagle3Draft, cfg: TTTConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self.cfg = cfg
+        self.weights = step_weights(cfg.steps, cfg.decay)
+        if cfg.compile:
+            compile_draft_layers(draft)
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
+                loss_mask: torch.Tensor, target_probs: torch.Tensor, target_ids: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, position_ids, loss_mask [B, T]; aux_hidden [B, T, k*H_t]; target_probs
+        [B*T + pad, V_d] and target_ids [B*T + pad] (TargetDist, pad >= steps); document_ids [B, T]
+        with ids unique across rows, or None (one document per row; padding at the end of a row
+        needs no id of its own: causal attention never looks forward).
+
+        Returns (loss: step-weighted CE summed over valid rows, fp32 scalar; stats [steps, 3] fp32:
+        per step CE sum, correct count, valid count)."""
+        B, T = input_ids.shape
+        S = self.cfg.steps
+        draft = self.draft
+        docs = document_ids
+        if docs is None:
+            docs = torch.arange(B, device=input_ids.device)[:, None].expand(B, T)
+        valid = step_validity(loss_mask.reshape(-1), docs.reshape(-1), target_ids, S)  # [S, B*T]
+        w = torch.tensor(self.weights, dtype=torch.float32, device=input_ids.device)
+        wvalid = valid.float() * w[:, None]
+        attend = TTTAttention(self.cfg.attention, document_ids=document_ids)
+        hidden = draft.fuse(aux_hidden)  # [B, T, H]
+        outs = []
+        for j in range(S):
+            hidden = draft(shift_left(input_ids, 1 + j), hidden, position_ids + j, attend)  # [B, T, H]
+            outs.append(draft.norm(hidden).reshape(B * T, -1))
+        target = TargetDist(target_probs, target_ids)
+        if self.cfg.fused_loss:
+            return fused_draft_ce(draft.lm_head.weight, outs, target, wvalid, self.cfg.loss_chunk_elems,
+                                  compiled=self.cfg.compile)
+        return reference_draft_ce(draft.lm_head.weight, outs, target, wvalid)
+
+
+def summarize(stats: torch.Tensor | list, weights: list[float]) -> dict[str, Any]:
+    """stats [S, 3] summed over a window (CE sum, correct, count per step) -> loggable metrics.
+
+    loss = sum_j w_j CE_sum_j / count_0 (what is optimized); loss_j = CE_sum_j / count_j."""
+    rows = stats.tolist() if isinstance(stats, torch.Tensor) else stats
+    n0 = max(rows[0][2], 1.0)
+    acc = [r[1] / r[2] if r[2] else 0.0 for r in rows]
+    return {
+        "loss": sum(w * r[0] for w, r in zip(weights, rows)) / n0,
+        "step_loss": [r[0] / r[2] if r[2] else 0.0 for r in rows],
+        "acc": acc,
+        "tau_sim": tau_sim(acc),
+        "valid_tokens": int(rows[0][2]),
+    }

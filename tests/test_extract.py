@@ -1,0 +1,142 @@
+"""`eyas extract` end to end on a tiny real model: the store holds the engine's states, a killed run resumes
+to identical bytes, two torchrun ranks on gloo give the single-process store, fp8 stays close."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from eyas.data.prepared import PreparedDataset, PreparedWriter
+from eyas.engines.hf import HFEngine
+from eyas.recipes.extract import run_extract
+from eyas.store import HiddenStore, partial_dir
+from eyas.utils.io import EyasError
+
+SHARD_MB = 0.02  # ~80 tokens per shard: several shards, several batches per shard
+OPTS = dict(dtype="float32", device="cpu", token_budget=64, shard_mb=SHARD_MB)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny Llama folder (8 layers: default aux ids [2, 4, 5]) and a prepared dataset of 24 samples."""
+    root = tmp_path_factory.mktemp("extract")
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+                        ).save_pretrained(root / "model")
+    rng = np.random.default_rng(0)
+    w = PreparedWriter(root / "prepared", vocab_size=300, shard_tokens=200)
+    for n in rng.integers(3, 40, size=24):
+        w.add(rng.integers(0, 300, size=n), (rng.random(n) < 0.5).astype(np.uint8))
+    w.finish(tokenizer="test", chat_template_sha256="", max_length=64, skipped={}, truncated=0,
+             options_sha256="test", sources=[])
+    ref = run_extract(root / "prepared", root / "reference", model=str(root / "model"), **OPTS)
+    return root, ref
+
+
+def hashes(store) -> list[str]:
+    return [s["sha256"] for s in json.loads((store / "manifest.json").read_text())["shards"]]
+
+
+def cli(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EYAS_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+            "-m", "eyas.cli"] if torchrun else [sys.executable, "-m", "eyas.cli"]
+    return subprocess.run([*head, "extract", *args], capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_store_holds_the_engines_states(assets):
+    root, ref = assets
+    store, ds = HiddenStore(ref), PreparedDataset(root / "prepared")
+    m = store.manifest
+    assert m["aux_layer_ids"] == [2, 4, 5] and m["num_layers"] == 8 and m["hidden_size"] == 32
+    assert m["num_samples"] == 24 and m["num_tokens"] == int(ds.lengths.sum()) and len(m["shards"]) > 3
+    assert m["target_config_sha256"] and m["prepared_sha256"] and m["vocab_size"] == 300
+    engine = HFEngine(str(root / "model"), dtype="float32", device="cpu")
+    caps = engine.capture([ds[i]["input_ids"] for i in range(24)])
+    for i in range(24):
+        r = store[i]
+        assert torch.equal(r["input_ids"], ds[i]["input_ids"]) and torch.equal(r["loss_mask"], ds[i]["loss_mask"])
+        # bf16 storage of fp32 states: rounding only
+        assert torch.allclose(r["aux_hidden"].float(), caps[i].aux, rtol=8e-3, atol=1e-5)
+        assert torch.allclose(r["final_hidden"].float(), caps[i].final, rtol=8e-3, atol=1e-5)
+    head = store.target_head()
+    assert head.lm_head.shape == (300, 32) and head.norm_eps == engine.target_head().norm_eps
+    # same inputs and options: reused without loading the model
+    before = (ref / "manifest.json").stat().st_mtime_ns
+    assert run_extract(root / "prepared", ref, model=str(root / "model"), **OPTS) == ref
+    assert (ref / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_resume_after_kill_gives_identical_store(assets):
+    root, ref = assets
+    out = root / "resumed"
+
+    def kill(shard):
+        if shard.index == 1:
+            raise KeyboardInterrupt("simulated kill after shard 1")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_extract(root / "prepared", out, model=str(root / "model"), on_shard=kill, **OPTS)
+    assert not out.exists() and {"shard-00000.safetensors", "shard-00001.safetensors"} <= {
+        p.name for p in partial_dir(out).iterdir()}
+    run_extract(root / "prepared", out, model=str(root / "model"), **OPTS)
+    assert hashes(out) == hashes(ref) and not partial_dir(out).exists()
+    assert (out / "manifest.json").read_text() == (ref / "manifest.json").read_text()
+
+
+def test_fp8_store_is_close_to_bf16(assets):
+    root, ref = assets
+    out = run_extract(root / "prepared", root / "fp8", model=str(root / "model"), fp8=True, **OPTS)
+    a, b = HiddenStore(out), HiddenStore(ref)
+    assert a.manifest["dtype"] == "float8_e4m3fn"
+    for i in (0, 11, 23):
+        for key in ("aux_hidden", "final_hidden"):
+            x, y = a[i][key].float(), b[i][key].float()
+            assert ((x - y).norm() / y.norm()).item() < 4e-2
+
+
+def test_cli_extract_and_verify(assets):
+    root, ref = assets
+    out = root / "cli"
+    r = cli("--prepared", str(root / "prepared"), "--model", str(root / "model"), "--out", str(out), "--dtype",
+            "float32", "--device", "cpu", "--token-budget", "64", "--shard-mb", str(SHARD_MB), "--verify")
+    assert r.returncode == 0, r.stderr
+    assert "needs about" in r.stderr and "files OK" in r.stderr
+    assert hashes(out) == hashes(ref)
+    r = cli("--out", str(root / "missing"), "--verify")
+    assert r.returncode == 2 and "nothing to verify" in r.stderr
+
+
+def test_two_torchrun_ranks_write_one_store(assets):
+    root, ref = assets
+    out = root / "dist"
+    r = cli("--prepared", str(root / "prepared"), "--model", str(root / "model"), "--out", str(out), "--dtype",
+            "float32", "--device", "cpu", "--token-budget", "64", "--shard-mb", str(SHARD_MB), torchrun=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 0:" in r.stderr and "rank 1:" in r.stderr  # both ranks extracted a share
+    assert hashes(out) == hashes(ref)  # same shards, byte for byte, as one process
+    assert not partial_dir(out).exists()
+
+
+def test_bad_inputs_fail_fast_with_clear_messages(assets, tmp_path):
+    root, _ = assets
+    with pytest.raises(EyasError, match="not a prepared dataset"):
+        run_extract(tmp_path / "nope", tmp_path / "s", model=str(root / "model"), **OPTS)
+    with pytest.raises(EyasError, match="out of range"):
+        run_extract(root / "prepared", tmp_path / "s", model=str(root / "model"), aux_layer_ids=[1, 8], **OPTS)

@@ -1,0 +1,160 @@
+"""`eyas prepare` end to end with SmolLM2's real tokenizer: output format, reuse, atomicity, --show, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from safetensors.numpy import load_file
+from transformers import AutoTokenizer
+
+from eyas.data.prepared import PreparedDataset
+from eyas.recipes.prepare import PrepareConfig, prepare, show_samples
+from eyas.utils.io import EyasError
+
+EOT = "<|im_end|>"
+
+
+def conv(i: int, turns: int = 2) -> dict:
+    msgs = []
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"Question {i}.{t}: what is {i} + {t}?"})
+        msgs.append({"role": "assistant", "content": f"It is {i + t}. " + "Indeed. " * (i % 7)})
+    return {"messages": msgs}
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture()
+def chat_file(tmp_path) -> Path:
+    path = tmp_path / "chat.jsonl"
+    lines = [json.dumps(conv(i, 1 + i % 3)) for i in range(40)]
+    lines[5] = "{broken"
+    lines[9] = json.dumps({"messages": [{"role": "alien", "content": "x"}]})
+    lines[30] = json.dumps({"messages": [{"role": "user", "content": "long " * 3000},
+                                         {"role": "assistant", "content": "ok"}]})  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_shards(out: Path) -> dict[str, np.ndarray]:
+    m = json.loads((out / "manifest.json").read_text())
+    parts = [load_file(str(out / s["file"])) for s in m["shards"]]
+    return {k: np.concatenate([p[k] for p in parts]) for k in ("input_ids", "loss_mask")}
+
+
+def test_prepare_writes_the_documented_format(tmp_path, chat_file, tok):
+    out = tmp_path / "prep"
+    prepare(PrepareConfig(inputs=[str(chat_file)], out=out, max_length=512, num_workers=1, shard_tokens=1000))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["format"] == "eyas.prepared/1" and m["vocab_size"] == 49152 and m["max_length"] == 512
+    assert m["skipped"] == {"not_json": 1, "unknown_role": 1, "no_loss_tokens": 1}
+    assert m["skipped_examples"]["not_json"][0].startswith(f"{chat_file}:6: ")
+    assert m["num_samples"] == 37 and len(m["shards"]) > 1
+    assert sum(s["num_samples"] for s in m["shards"]) == 37 and sum(s["num_tokens"] for s in m["shards"]) == m["num_tokens"]
+    assert m["truncated"] == 0 and m["sources"] == [str(chat_file)] and len(m["options_sha256"]) == 64
+    for key in ("tokenizer", "chat_template_sha256", "num_loss_tokens"):
+        assert key in m
+
+    ds = PreparedDataset(out)
+    assert len(ds) == 37 and int(ds.lengths.sum()) == m["num_tokens"]
+    kept = [i for i in range(40) if i not in (5, 9, 30)]
+    for k in (0, 1, 17, 36):  # across shards
+        s = ds[k]
+        assert s["input_ids"].dtype == torch.long and s["loss_mask"].dtype == torch.bool
+        msgs = conv(kept[k], 1 + kept[k] % 3)["messages"]
+        assert s["input_ids"].tolist() == tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+        trained = tok.decode(s["input_ids"][s["loss_mask"]].tolist(), skip_special_tokens=False)
+        assert trained == "".join(x["content"] + EOT for x in msgs if x["role"] == "assistant")
+    arrays = read_shards(out)
+    assert arrays["input_ids"].dtype == np.int32 and arrays["loss_mask"].dtype == np.uint8
+    counts = ds.token_counts()
+    assert counts.shape == (49152,) and counts.dtype == torch.long
+    expected = np.bincount(arrays["input_ids"][arrays["loss_mask"] == 1], minlength=49152)
+    np.testing.assert_array_equal(counts.numpy(), expected)
+    assert int(counts.sum()) == m["num_loss_tokens"] == int(arrays["loss_mask"].sum())
+
+
+def test_workers_give_identical_output_and_max_samples_is_exact(tmp_path, chat_file):
+    one = prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "w1", max_length=512, num_workers=1,
+                                max_samples=25))  # fmt: skip
+    two = prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "w2", max_length=512, num_workers=2,
+                                max_samples=25))  # fmt: skip
+    a, b = read_shards(one), read_shards(two)
+    np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    np.testing.assert_array_equal(a["loss_mask"], b["loss_mask"])
+    ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (one, two))
+    assert ma["num_samples"] == mb["num_samples"] == 25
+    assert ma["skipped"] == mb["skipped"] == {"not_json": 1, "unknown_role": 1}  # row 30 is past the cut
+
+
+def test_reuse_and_rebuild(tmp_path, chat_file):
+    cfg = PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "p", max_length=512, num_workers=1)
+    prepare(cfg)
+    manifest = cfg.out / "manifest.json"
+    before = manifest.stat().st_mtime_ns
+    prepare(cfg)  # same inputs and options: reused
+    assert manifest.stat().st_mtime_ns == before
+    cfg.overlong = "drop"  # an option changed: rebuilt
+    prepare(cfg)
+    m = json.loads(manifest.read_text())
+    assert m["skipped"]["overlong"] == 1 and m["num_samples"] == 37
+    with open(chat_file, "a") as f:  # the input changed: rebuilt
+        f.write(json.dumps(conv(99)) + "\n")
+    prepare(cfg)
+    assert json.loads(manifest.read_text())["num_samples"] == 38
+
+
+def test_unreadable_input_leaves_no_output_and_keeps_the_old_one(tmp_path, chat_file):
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(b"\xff\xfe\x00binary\n\x00\x01\x02\n")
+    out = tmp_path / "p"
+    with pytest.raises(EyasError) as e:
+        prepare(PrepareConfig(inputs=[str(chat_file), str(garbage)], out=out, num_workers=1))
+    assert e.value.exit_code == 2 and str(garbage) in str(e.value)
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+    prepare(PrepareConfig(inputs=[str(chat_file)], out=out, max_length=512, num_workers=1))
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(EyasError):
+        prepare(PrepareConfig(inputs=[str(chat_file), str(tmp_path / "missing.json")], out=out, num_workers=1))
+    assert (out / "manifest.json").read_text() == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("precious")
+    with pytest.raises(EyasError, match="refusing"):
+        prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "mine", num_workers=1))
+    assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
+
+
+def test_show_highlights_exactly_the_trained_tokens(tmp_path, chat_file, tok):
+    out = prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "p", max_length=512, num_workers=1))
+    buf = io.StringIO()
+    show_samples(out, 2, tok, Console(file=buf, color_system=None, width=200))
+    text = buf.getvalue()
+    assert "sample 0:" in text and "sample 36:" in text
+    assert f"⟦It is 0. {EOT}⟧" in text  # sample 0: one turn, answer + end of turn marked
+    assert "⟦" not in text.split("<|im_start|>assistant")[0]  # nothing trained before the first reply
+    # colour terminal: the trained text carries the highlight style instead of markers
+    buf = io.StringIO()
+    show_samples(out, 1, tok, Console(file=buf, force_terminal=True, color_system="standard", width=200))
+    assert "⟦" not in buf.getvalue() and "\x1b[" in buf.getvalue()
+
+
+def test_cli_exit_code_and_show(tmp_path, chat_file):
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "200", "EYAS_NO_PROGRESS": "1", "HOME": str(Path.home())}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "eyas.cli", "prepare", *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=120, env=env)  # fmt: skip
+    bad = run(str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "not found" in bad.stderr and not (tmp_path / "x").exists()
+    ok = run(str(chat_file), "--out", str(tmp_path / "p"), "--max-length", "512", "--show", "1", "--num-workers", "1")
+    assert ok.returncode == 0, ok.stderr
+    assert "⟦It is 0. <|im_end|>⟧" in ok.stdout and "37" in ok.stderr and "not_json" in ok.stderr

@@ -1,0 +1,134 @@
+"""`eyas regenerate`: the target rewrites every assistant turn, the conversation keeps its shape, the output
+is what `prepare` reads, a killed run resumes to the same file, and batched greedy equals one-at-a-time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from transformers import AutoTokenizer
+
+from eyas.data.readers import read_conversations
+from eyas.recipes.regenerate import Sampling, run_regenerate
+from eyas.utils.io import EyasError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)  # the real ChatML template and <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    """A tiny random Llama over SmolLM2's vocabulary: real templates and stop tokens, fast generation."""
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+CONVS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "OLD-1"}, {"role": "user", "content": "And then?"},
+                  {"role": "assistant", "content": "OLD-2"}]},
+    {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "OLD-3"}]},
+    {"messages": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "OLD-4"}]},
+    {"messages": [{"role": "user", "content": "Tell me a long story " * 3}, {"role": "assistant", "content": "OLD-5"},
+                  {"role": "user", "content": "More."}, {"role": "assistant", "content": "OLD-6"}]},
+    {"messages": [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "OLD-7"}]},
+]
+
+
+def write_input(path) -> str:
+    path.write_text("".join(json.dumps(c) + "\n" for c in CONVS))
+    return str(path)
+
+
+def test_rewrites_assistant_turns_and_keeps_the_structure(tmp_path, tiny, tokenizer):
+    src = write_input(tmp_path / "in.jsonl")
+    out = run_regenerate([src], tmp_path / "out.jsonl", model=tiny, tokenizer=tokenizer, batch_size=2,
+                         sampling=Sampling(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=6, seed=3))
+    before, after = read_conversations([src]), read_conversations([str(out)])  # what `prepare` reads
+    assert len(after) == len(before) == 5
+    for a, b in zip(after, before, strict=True):
+        assert [m["role"] for m in a] == [m["role"] for m in b]
+        for ma, mb in zip(a, b, strict=True):
+            if mb["role"] == "assistant":
+                assert ma["content"] != mb["content"] and "OLD" not in ma["content"]
+            else:
+                assert ma == mb
+    lines = out.read_text().splitlines()
+    assert all(set(json.loads(line)) == {"messages"} for line in lines)
+    manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
+    assert manifest["stats"]["turns"] == 7 and manifest["stats"]["conversations"] == 5
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_resume_after_a_kill_writes_the_same_file(tmp_path, tiny, tokenizer):
+    src = write_input(tmp_path / "in.jsonl")
+    kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, sampling=Sampling(max_new_tokens=5, seed=11))
+    clean = run_regenerate([src], tmp_path / "clean.jsonl", **kw).read_text()
+
+    def kill(b):
+        if b == 1:
+            raise KeyboardInterrupt("killed after batch 1")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_regenerate([src], tmp_path / "out.jsonl", on_batch=kill, **kw)
+    partial = tmp_path / "out.jsonl.partial"
+    assert not (tmp_path / "out.jsonl").exists() and len(partial.read_text().splitlines()) == 3  # header + 2
+    with open(partial, "a") as f:
+        f.write('{"batch": 2, "conversa')  # the kill cut a line in half
+    assert run_regenerate([src], tmp_path / "out.jsonl", **kw).read_text() == clean
+    # sampling is really seeded: another seed gives other replies
+    kw["sampling"] = Sampling(max_new_tokens=5, seed=12)
+    assert run_regenerate([src], tmp_path / "other.jsonl", **kw).read_text() != clean
+
+
+def test_max_length_cuts_conversations_before_a_turn_that_does_not_fit(tmp_path, tiny, tokenizer):
+    src = write_input(tmp_path / "in.jsonl")
+    out = run_regenerate([src], tmp_path / "out.jsonl", model=tiny, tokenizer=tokenizer, batch_size=5,
+                         max_length=48, sampling=Sampling(temperature=0, max_new_tokens=4))
+    after = read_conversations([str(out)])
+    stats = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())["stats"]
+    assert stats["truncated"] >= 1 and len(after) == 5 - stats["dropped"]
+    for c in after:
+        assert c[-1]["role"] == "assistant"
+        assert len(tokenizer.apply_chat_template(c[:-1], add_generation_prompt=True)) + 4 <= 48
+
+
+def test_bad_sampling_options_are_refused(tmp_path, tiny, tokenizer):
+    src = write_input(tmp_path / "in.jsonl")
+    with pytest.raises(EyasError, match="temperature"):
+        run_regenerate([src], tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, sampling=Sampling(temperature=-1))
+
+
+@pytest.mark.slow
+def test_batched_greedy_equals_one_at_a_time_on_smollm2(tmp_path, smollm2_dir, tokenizer):
+    """Left padding inside a batch must not change what the real target writes (fp32, greedy)."""
+    model = tf.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    convs = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Write one word: a fruit that is yellow and curved, often eaten raw."}]]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": c + [{"role": "assistant", "content": "x"}]}) + "\n"
+                           for c in convs))
+    out = run_regenerate([str(src)], tmp_path / "out.jsonl", model=model, tokenizer=tokenizer, batch_size=2,
+                         sampling=Sampling(temperature=0, max_new_tokens=8))
+    got = [c[-1]["content"] for c in read_conversations([str(out)])]
+    for c, text in zip(convs, got, strict=True):
+        ids = tokenizer.apply_chat_template(c, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            ref = model.generate(**ids, do_sample=False, max_new_tokens=8, pad_token_id=tokenizer.eos_token_id)
+        want = tokenizer.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        assert text == want and text

@@ -1,0 +1,178 @@
+"""The trainer end to end on CPU: packing plans, offline (store) == online (target in the loop),
+a tiny draft learning a tiny target, exact resume, and the CLI writing a loadable draft."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+import torch
+from _train_utils import AUX, make_store
+
+from eyas.engines.hf import HFEngine
+from eyas.model.config import DraftConfig
+from eyas.model.draft import Eagle3Draft
+from eyas.model.vocab import build_draft_vocab
+from eyas.store import HiddenStore
+from eyas.train.data import PackDataset, Plan, SampleSource, collate_pack, fill_states, plan_epoch
+from eyas.train.distributed import DistInfo
+from eyas.train.trainer import Trainer, TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The CPU is shared: two threads fighting over two busy cores make small matmuls 25x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return make_store(tmp_path_factory.mktemp("train"))
+    finally:
+        torch.set_num_threads(n)
+
+
+def metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(out, store, **kw):
+    from eyas.recipes.train import run_train
+
+    opts = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
+                save_every=0, lr=3e-3)
+    opts.update(kw)
+    return run_train(out, store=store, log=lambda m: None, **opts)
+
+
+def test_plan_packs_every_sample_once_and_splits_ranks():
+    lengths = np.random.default_rng(0).integers(1, 300, 500)
+    packs = plan_epoch(lengths, 512, seed=3, epoch=0)
+    flat = np.concatenate(packs)
+    assert sorted(flat.tolist()) == list(range(500))
+    assert all(np.minimum(lengths[p], 512).sum() <= 512 for p in packs)
+    fill = lengths.sum() / (len(packs) * 512)
+    assert fill > 0.95, f"packs only {fill:.1%} full"
+    assert [p.tolist() for p in plan_epoch(lengths, 512, 3, 0)] == [p.tolist() for p in packs]
+    assert [p.tolist() for p in plan_epoch(lengths, 512, 3, 1)] != [p.tolist() for p in packs]
+    # two ranks x 2 accumulation read exactly the packs one rank x 4 accumulation reads, step by step
+    one = Plan(lengths, 512, 3, world=1, grad_accum=4).rank_packs(0, 0)
+    r0, r1 = (Plan(lengths, 512, 3, world=2, grad_accum=2).rank_packs(0, r) for r in (0, 1))
+    for s in range(len(one) // 4):
+        assert [p.tolist() for p in one[4 * s:4 * s + 4]] == [p.tolist() for p in r0[2 * s:2 * s + 2] + r1[2 * s:2 * s + 2]]
+
+
+def test_collate_pack_layout():
+    s = [{"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.bool), "aux_hidden": torch.ones(5, 6),
+          "final_hidden": torch.ones(5, 2)},
+         {"input_ids": torch.arange(10, 13), "loss_mask": torch.zeros(3, dtype=torch.bool),
+          "aux_hidden": 2 * torch.ones(3, 6), "final_hidden": torch.ones(3, 2)}]
+    b = collate_pack(s, budget=10, pad_to=10, states=True)
+    assert b["input_ids"].tolist() == [0, 1, 2, 3, 4, 10, 11, 12, 0, 0]
+    assert b["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    assert b["document_ids"].tolist() == [0] * 5 + [1] * 3 + [2] * 2
+    assert b["loss_mask"].tolist() == [True] * 5 + [False] * 5 and b["multi_doc"] and b["num_tokens"] == 8
+    assert b["aux_hidden"][5:8].eq(2).all() and b["aux_hidden"][8:].eq(0).all()
+    one = collate_pack(s[:1], budget=4, pad_to=None, states=False)  # cut to the budget
+    assert one["input_ids"].tolist() == [0, 1, 2, 3] and not one["multi_doc"] and one["truncated"] == 1
+
+
+def test_offline_and_online_give_the_same_loss(data):
+    target, prepared, store = data
+    st = HiddenStore(store)
+    from transformers import AutoConfig
+
+    dcfg = DraftConfig.from_target_config(AutoConfig.from_pretrained(target), AUX, 48)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(dcfg)
+    head = st.target_head()
+    draft.load_target_embedding(head.embed_tokens)
+    draft.set_vocab(*build_draft_vocab(torch.arange(64), 48))
+    trainer = Trainer(TrainConfig(ttt_steps=3), draft, head, DistInfo(), 10)
+    packs = Plan(st.lengths, 256, 0, 1, 1).packs(0)[:2]
+    engine = HFEngine(str(target), aux_layer_ids=AUX, dtype="float32", device="cpu")
+    for k in range(2):
+        off = PackDataset(SampleSource(store, "store"), packs, 256, None, states=True)[k]
+        on = fill_states(PackDataset(SampleSource(prepared, "prepared"), packs, 256, None, states=False)[k], engine)
+        assert off["multi_doc"] and torch.equal(off["input_ids"], on["input_ids"])
+        with torch.no_grad():
+            l_off, s_off = trainer.forward_batch(off)
+            l_on, s_on = trainer.forward_batch(on)  # fp32 states straight from the target
+            rounded = {**on, "aux_hidden": on["aux_hidden"].bfloat16(), "final_hidden": on["final_hidden"].bfloat16()}
+            l_rnd, s_rnd = trainer.forward_batch(rounded)  # the same states as the store keeps them
+        assert abs(l_on - l_off) / l_off < 1e-2 and (s_on[:, 2] - s_off[:, 2]).abs().max() <= 2
+        assert abs(l_rnd - l_off) / l_off < 1e-5 and torch.equal(s_rnd[:, 2], s_off[:, 2])
+
+
+def test_tiny_draft_learns_tiny_target(data, tmp_path):
+    """300 steps (~10 s): step-0 accuracy far above chance (1/48) and the majority-token baseline."""
+    _, _, store = data
+    st = HiddenStore(store)
+    head = st.target_head()
+    counts = collections.Counter()
+    for i in range(len(st)):
+        s = st[i]
+        counts.update(head.logits(s["final_hidden"].float())[s["loss_mask"]].argmax(-1).tolist())
+    majority = max(counts.values()) / sum(counts.values())
+    train(tmp_path / "run", store, max_steps=300, log_every=50, warmup_ratio=0.05)
+    m = metrics(tmp_path / "run")
+    first, last = m[0], m[-1]
+    assert last["step"] == 300 and last["loss"] < 0.75 * first["loss"]
+    assert last["acc"][0] > max(3 * majority, 10 / 48), (last["acc"], majority)
+    assert min(last["acc"]) > 0.2 and last["tau_sim"] > 1.35
+    draft = Eagle3Draft.from_pretrained(tmp_path / "run" / "draft")
+    assert draft.config.draft_vocab_size == 48 and int(draft.t2d.sum()) == 48
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):
+    """A run stopped after step 5 (last checkpoint at 4) and resumed logs exactly the losses of a
+    run that was never stopped, and ends with the same weights. bf16 runs the master-weight path."""
+    _, _, store = data
+    kw = dict(max_steps=9, save_every=4, dtype=dtype, num_workers=1, grad_accum=2)
+    train(tmp_path / "full", store, **kw)
+    stopped = train(tmp_path / "cut", store, stop_after=5, **kw)
+    assert stopped["stopped_at"] == 5 and len(metrics(tmp_path / "cut")) == 5
+    train(tmp_path / "cut", store, resume=True, **kw)
+    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut] == list(range(1, 10))
+    for a, b in zip(full, cut):
+        assert a["loss"] == b["loss"] and a["acc"] == b["acc"] and a["lr"] == b["lr"], (a["step"], a, b)
+    w_full = Eagle3Draft.from_pretrained(tmp_path / "full" / "draft").state_dict()
+    w_cut = Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").state_dict()
+    assert all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
+    assert full[0]["loss"] != full[-1]["loss"]
+
+
+def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+    from eyas.data.prepared import PreparedDataset
+
+    _, prepared, store = data
+    out = tmp_path / "cli"
+    args = ["train", "--store", str(store), "--out", str(out), "--max-steps", "3", "--ttt-steps", "2",
+            "--token-budget", "256", "--draft-vocab-size", "40", "--num-workers", "0", "--log-every", "1",
+            "--report-to", "none", "--save-every", "2"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    draft = Eagle3Draft.from_pretrained(out / "draft")
+    d2t, t2d = build_draft_vocab(PreparedDataset(prepared).token_counts(), 40)
+    assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
+    rows = metrics(out)
+    assert [m["step"] for m in rows] == [1, 2, 3] and len(rows[0]["acc"]) == 2
+    assert {"loss", "step_loss", "acc", "tau_sim", "tok_per_s", "lr", "grad_norm"} <= set(rows[0])
+    assert sorted(p.name for p in (out / "train_state").iterdir()) == ["step-00000002", "step-00000003"]
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "up to date" in again.output
+    bad = CliRunner().invoke(app, ["train", "--prepared", str(prepared), "--out", str(out)])
+    assert bad.exit_code != 0 and "--online" in str(bad.exception or bad.output)

@@ -1,0 +1,206 @@
+"""Training-time test: the batched TTT forward (TTTAttention + fused loss) against a slow reference
+that replays inference row by row with the draft's KV cache, and flex against math attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.engines.head import TargetHead
+from eyas.model.attention import KVCache, TTTAttention
+from eyas.model.config import DraftConfig
+from eyas.model.draft import Eagle3Draft
+from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids
+from eyas.train.loss import step_validity, target_distribution, tau_sim
+from eyas.train.ttt import TTTConfig, TTTModel, summarize
+
+V, V_D, H, K = 50, 30, 32, 3
+
+
+def make_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, vocab_size=V, draft_vocab_size=V_D, target_hidden_size=H,
+                      aux_layer_ids=[1, 2, 3], rope_theta=10000.0)
+    draft = Eagle3Draft(cfg)
+    for p in draft.parameters():  # larger weights than the 0.02 init: the test must see real signal
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    head = TargetHead(torch.randn(V, H), 1 + 0.1 * torch.randn(H), torch.randn(V, H), 1e-6)
+    draft.load_target_embedding(head.embed_tokens)
+    draft.set_vocab(*build_draft_vocab(torch.randint(0, 100, (V,)), V_D))
+    return draft, head
+
+
+def make_pack(doc_lengths: list[int], pad: int, seed: int = 1):
+    """One packed row: documents side by side, then `pad` padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    N = sum(doc_lengths) + pad
+    ids = torch.randint(0, V, (N,), generator=g)
+    mask = torch.rand(N, generator=g) < 0.8
+    pos, docs = torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long)
+    a = 0
+    for d, n in enumerate(doc_lengths):
+        pos[a:a + n] = torch.arange(n)
+        docs[a:a + n] = d
+        a += n
+    mask[a:] = False
+    docs[a:] = len(doc_lengths)
+    pos[a:] = torch.arange(pad)
+    aux = torch.randn(N, K * H, generator=g)
+    final = 3 * torch.randn(N, H, generator=g)
+    return ids, mask, pos, docs, aux, final
+
+
+def fast_loss(draft, head, pack, steps, attention="math", fused=True, docs=True):
+    ids, mask, pos, doc, aux, final = pack
+    tgt = target_distribution(head, final, draft_to_target_ids(draft.d2t), target_to_draft_ids(draft.t2d),
+                              pad_rows=steps + 1, chunk_elems=7 * V)  # small chunks: exercise chunking
+    model = TTTModel(draft, TTTConfig(steps=steps, attention=attention, fused_loss=fused, loss_chunk_elems=5 * V_D))
+    return model(ids[None], aux[None], pos[None], mask[None], tgt.probs, tgt.ids, doc[None] if docs else None)
+
+
+def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8):
+    """Inference replayed: for every document, a causal prefill with a KV cache gives step 0; then
+    for every row t, the cache is cut to rows 0..t and the draft decodes `steps - 1` more tokens
+    (the true ones) at positions t+1, t+2, ... Each prediction is scored against the target's
+    full-vocabulary softmax restricted to the draft vocabulary, computed here without chunks."""
+    ids, mask, pos, doc, aux, final = pack
+    vocab = draft_to_target_ids(draft.d2t)
+    logits = head.logits(final)  # [N, V]
+    in_vocab = draft.t2d[logits.argmax(-1)]
+    probs = torch.softmax(logits[:, vocab], -1)
+    t2d_index = target_to_draft_ids(draft.t2d)
+    loss = torch.zeros(())
+    stats = torch.zeros(steps, 3)
+    start = 0
+    for L in doc_lengths:
+        d_ids = ids[start:start + L]
+        inp0 = torch.cat([d_ids[1:], torch.zeros(1, dtype=torch.long)])
+        cache = KVCache()
+        h0 = draft(inp0[None], draft.fuse(aux[start:start + L][None]), torch.arange(L)[None], cache)
+        for t in range(L):
+            c = KVCache()
+            c.k, c.v = cache.k[:, :, :t + 1], cache.v[:, :, :t + 1]
+            hidden = h0[:, t:t + 1]
+            for j in range(steps):
+                if j > 0:
+                    tok = d_ids[t + 1 + j] if t + 1 + j < L else torch.tensor(0)
+                    hidden = draft(tok.view(1, 1), hidden, torch.tensor([[t + j]]), c)
+                p = t + 1 + j  # the target position this step predicts
+                if not (p + 1 < L and mask[start + p + 1] and in_vocab[start + p]):
+                    continue
+                logq = torch.log_softmax(draft.logits(hidden)[0, 0], -1)
+                ce = -(probs[start + p] * logq).sum()
+                loss = loss + decay**j * ce
+                correct = float(logq.argmax() == t2d_index[logits[start + p].argmax()])
+                stats[j] += torch.tensor([ce.item(), correct, 1.0])
+        start += L
+    return loss, stats
+
+
+def grads(draft, loss):
+    draft.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_fast_ttt_matches_inference_replay(steps):
+    draft, head = make_setup()
+    lengths = [9, 7]
+    pack = make_pack(lengths, pad=4)
+    loss, stats = fast_loss(draft, head, pack, steps)
+    ref_loss, ref_stats = reference_loss(draft, head, pack, lengths, steps)
+    assert ref_stats[:, 2].min() >= 2, "the test batch must train every step"
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    assert torch.allclose(stats, ref_stats, rtol=1e-5, atol=1e-4)
+    g_fast, g_ref = grads(draft, loss), grads(draft, ref_loss)
+    for name in g_ref:
+        assert rel(g_fast[name], g_ref[name]) < 1e-4, name
+
+
+def test_fused_loss_matches_plain_autograd_and_rows_are_independent():
+    """Two rows without document ids (one document each, padded at the end) equal the fused/plain
+    losses, and equal the sum of the rows run alone."""
+    draft, head = make_setup(1)
+    a, b = make_pack([12], pad=0, seed=2), make_pack([9], pad=3, seed=3)
+    batch = [torch.stack([x, y]) for x, y in zip(a, b)]
+    ids, mask, pos, doc, aux, final = batch
+    steps = 3
+    tgt = target_distribution(head, final.reshape(-1, H), draft_to_target_ids(draft.d2t),
+                              target_to_draft_ids(draft.t2d), pad_rows=steps + 1)
+    out = {}
+    for fused in (True, False):
+        model = TTTModel(draft, TTTConfig(steps=steps, attention="math", fused_loss=fused))
+        loss, stats = model(ids, aux, pos, mask, tgt.probs, tgt.ids, None)
+        out[fused] = (loss, stats, grads(draft, loss))
+    assert rel(out[True][0], out[False][0]) < 1e-6 and torch.allclose(out[True][1], out[False][1])
+    for name, g in out[False][2].items():
+        assert rel(out[True][2][name], g) < 1e-5, name
+    alone = sum(fast_loss(draft, head, p, steps, docs=False)[0] for p in (a, b))
+    assert rel(out[True][0], alone) < 1e-6
+
+
+def test_flex_matches_math_on_packed_documents():
+    """flex (block mask over documents + log-sum-exp merge of later steps) == math, forward only:
+    flex has no backward on CPU (the GPU benchmark checks gradients)."""
+    draft, head = make_setup(2)
+    pack = make_pack([20, 5, 11], pad=4, seed=4)
+    with torch.no_grad():
+        lm, sm = fast_loss(draft, head, pack, 3, attention="math")
+        lf, sf = fast_loss(draft, head, pack, 3, attention="flex")
+    assert rel(lf, lm) < 1e-5 and torch.allclose(sf, sm, atol=1e-3)
+
+
+def test_ttt_attention_document_mask_flex_equals_math():
+    torch.manual_seed(0)
+    B, nh, nkv, T, hd = 1, 4, 2, 30, 8
+    docs = torch.tensor([[0] * 11 + [1] * 13 + [2] * 6])
+    att_m, att_f = TTTAttention("math", document_ids=docs), TTTAttention("flex", document_ids=docs)
+    for step in range(3):
+        q = torch.randn(B, nh, T, hd)
+        k, v = torch.randn(B, nkv, T, hd), torch.randn(B, nkv, T, hd)
+        om, of = att_m(q, k, v), att_f(q, k, v)
+        assert rel(of, om) < 1e-5, step
+    # row 11 (first of document 1) at step 0 sees only itself
+    q, k, v = torch.randn(B, nh, T, hd), torch.randn(B, nkv, T, hd), torch.randn(B, nkv, T, hd)
+    out = TTTAttention("math", document_ids=docs)(q, k, v)
+    assert torch.allclose(out[0, :, 11], v[0].repeat_interleave(2, 0)[:, 11], atol=1e-6)
+
+
+def test_target_distribution_chunks_and_masks():
+    draft, head = make_setup(3)
+    final = torch.randn(23, H)
+    vocab, index = draft_to_target_ids(draft.d2t), target_to_draft_ids(draft.t2d)
+    one = target_distribution(head, final, vocab, index, pad_rows=2, chunk_elems=10**9)
+    many = target_distribution(head, final, vocab, index, pad_rows=2, chunk_elems=3 * V)
+    assert torch.equal(one.ids, many.ids) and torch.allclose(one.probs, many.probs)
+    logits = head.logits(final)
+    expect = torch.where(draft.t2d[logits.argmax(-1)], index[logits.argmax(-1)], -1)
+    assert torch.equal(one.ids[:23], expect) and (one.ids[23:] == -1).all()
+    assert (expect == -1).any() and (expect >= 0).any()
+    assert torch.allclose(one.probs[:23].sum(-1), torch.ones(23)) and one.probs[23:].abs().sum() == 0
+
+
+def test_step_validity_rules():
+    # two documents [0..4] and [5..7], padding row 8; token 6 not trained; target 2's argmax outside
+    mask = torch.tensor([0, 1, 1, 1, 1, 1, 0, 1, 0]).bool()
+    docs = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 2])
+    tids = torch.tensor([3, 3, -1, 3, 3, 3, 3, 3, -1, -1, -1, -1, -1])
+    v = step_validity(mask, docs, tids, steps=2)
+    # step 0: row t predicts token t+2 from target t+1 (row 4: next document; row 5: token 7 of its own)
+    assert v[0].tolist() == [1, 0, 1, 0, 0, 1, 0, 0, 0]
+    # step 1: row t predicts token t+3 from target t+2
+    assert v[1].tolist() == [0, 1, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_tau_sim_and_summary():
+    assert tau_sim([1.0, 1.0]) == 3.0 and abs(tau_sim([0.5, 0.5]) - 1.75) < 1e-12
+    s = summarize(torch.tensor([[4.0, 2.0, 4.0], [2.0, 1.0, 2.0]]), [1.0, 0.8])
+    assert s["acc"] == [0.5, 0.5] and abs(s["loss"] - (4.0 + 0.8 * 2.0) / 4.0) < 1e-9
+    assert s["step_loss"] == [1.0, 1.0] and s["tau_sim"] == 1.75
