@@ -185,6 +185,10 @@ def test_hooks_path_matches_transformers(native_engine, tiny_llama, reference):
     seqs, refs = reference
     with pytest.raises(EyasError, match="out of range"):
         VllmEngine(str(tiny_llama), aux_layer_ids=[1, N_LAYERS], dtype="float32", capture_path="hooks")
+    # settings that would make states wrong are refused even when asked for
+    with pytest.raises(EyasError, match="prefix caching is on"):
+        VllmEngine(str(tiny_llama), dtype="float32", capture_path="hooks", kv_cache_memory_bytes=32 << 20,
+                   max_model_len=MAX_LEN, llm_kwargs={"enable_prefix_caching": True})
     t0 = time.perf_counter()
     eng = VllmEngine(str(tiny_llama), aux_layer_ids=[3, 0, 2], dtype="float32", capture_path="hooks",
                      kv_cache_memory_bytes=32 << 20, max_model_len=MAX_LEN)
@@ -299,7 +303,9 @@ def test_tensor_parallel_2_native(tiny_llama, reference, monkeypatch):
     eng = VllmEngine(str(tiny_llama), aux_layer_ids=[1, 3], dtype="float32", tp=2,
                      kv_cache_memory_bytes=32 << 20, max_model_len=MAX_LEN)
     print(f"\n[vllm native tp=2] startup {time.perf_counter() - t0:.1f} s")
+    idents = set(eng._shm_idents)
     try:
         check_against_reference(eng, seqs[:5], refs[:5], [1, 3])
     finally:
         eng.close()
+    assert not [f for i in idents for f in os.listdir("/dev/shm") if f.startswith(i)]  # no leaked segments

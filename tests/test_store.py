@@ -144,7 +144,8 @@ def test_resume_after_a_crash_gives_identical_bytes(tmp_path):
     m = meta()
     plan = prepare_partial(out, m, plan_shards(np.asarray(LENGTHS), m.bytes_per_token(), 6000))
     w = StoreWriter(out, m, np.asarray(LENGTHS), plan)
-    assert [s.index for s in w.todo()] == list(range(2, len(plan)))  # shards 0 and 1 are kept
+    todo = [s.index for s in w.todo()]
+    assert todo and 0 not in todo and 1 not in todo  # finished shards are kept, the rest is redone
     w.close()
     assert not (part / ".tmp-shard-00002.safetensors").exists()
     write_store(out, LENGTHS, meta())

@@ -233,6 +233,8 @@ def _connector_class() -> type:
             os.replace(tmp, pending.filename)
 
         def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+            if not self._is_tp_rank_zero:
+                return None, None  # one report per request (get_finished_count() == 1): rank 0's
             if not hasattr(self, "_eyas_written"):
                 self._eyas_written: set[str] = set()
             if self.has_connector_metadata():
@@ -346,6 +348,12 @@ def _rpc_remove_hooks(worker: Any) -> bool:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def _cpu_shm_idents() -> set[str]:
+    """Instance ids of vLLM-CPU's tensor-parallel shared-memory segments now in /dev/shm."""
+    shm = Path("/dev/shm")
+    return {f.name.split("-")[0] for f in shm.glob("vllm_dist_*-cpushm*")} if shm.is_dir() else set()
+
+
 def _default_tmp_root() -> str | None:
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
@@ -425,12 +433,19 @@ class VllmEngine(TargetEngine):
         kwargs.update(llm_kwargs or {})
         from vllm import LLM, SamplingParams
 
+        shm_before = _cpu_shm_idents()
         self.llm = LLM(**kwargs)
+        # vLLM-CPU's TP shared-memory segments are not unlinked at shutdown: remember ours
+        self._shm_idents = _cpu_shm_idents() - shm_before
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        mc = self.llm.llm_engine.model_config
-        self._check_model_config(mc)
-        if self.path == "hooks":
-            self.llm.collective_rpc(_rpc_install_hooks, args=(self._layer_ids, self.num_layers))
+        try:
+            self._check_model_config(self.llm.llm_engine.model_config)
+            self._check_effective_config(self.llm.llm_engine.vllm_config)
+            if self.path == "hooks":
+                self.llm.collective_rpc(_rpc_install_hooks, args=(self._layer_ids, self.num_layers))
+        except BaseException:
+            self.close()
+            raise
 
     # -- setup helpers -------------------------------------------------------------------------
 
@@ -462,6 +477,18 @@ class VllmEngine(TargetEngine):
         if tuple(got) != want:
             raise EyasError(f"vLLM sees (layers, hidden, vocab) = {got} for {self.model_dir} but its config.json "
                             f"says {want}; eyas cannot map layer ids. Use --engine hf for this target.")
+
+    def _check_effective_config(self, vc: Any) -> None:
+        """What vLLM actually runs with (platforms and llm_kwargs may change our settings)."""
+        bad = []
+        if getattr(vc.cache_config, "enable_prefix_caching", False):
+            bad.append("prefix caching is on (a cached prefix is not recomputed, so it has no fresh states)")
+        sc = vc.scheduler_config
+        if getattr(sc, "enable_chunked_prefill", False) or sc.max_num_batched_tokens < vc.model_config.max_model_len:
+            bad.append("chunked prefill is on (a sequence may be split over several forward passes)")
+        if bad:
+            raise EyasError(f"vllm engine: {'; '.join(bad)}. eyas turns both off; remove the llm_kwargs that "
+                            "enable them, or use --engine hf.")
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -580,6 +607,13 @@ class VllmEngine(TargetEngine):
                 with contextlib.suppress(Exception):
                     core.shutdown()
             del llm
+        for ident in getattr(self, "_shm_idents", ()):
+            for f in Path("/dev/shm").glob(f"{ident}-*-cpushm*"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+        self._shm_idents = set()
+        for key in [k for k in _HANDOFF if k.startswith(self._tmp)]:  # left by a failed capture
+            del _HANDOFF[key]
         self._finalizer()
 
 

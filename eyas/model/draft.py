@@ -152,6 +152,8 @@ class Eagle3Draft(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
         if self.config.draft_vocab_size == self.config.vocab_size:
             self.t2d.fill_(True)
 

@@ -94,10 +94,120 @@ class StageLedger:
         return not done
 
 
+def _section(cfg: dict[str, Any], stage: str) -> dict[str, Any]:
+    section = cfg.get(stage) or {}
+    if not isinstance(section, dict):
+        raise EyasError(f"config section '{stage}' must be a mapping of options, got {type(section).__name__}")
+    return dict(section)
+
+
+def make_untrained_draft(trained: Path, out: Path, seed: int = 0) -> None:
+    """The same draft (config, vocabulary, embedding) with fresh weights: the 'before training' baseline."""
+    import torch
+
+    from eyas.model.draft import Eagle3Draft
+
+    draft = Eagle3Draft.from_pretrained(trained)
+    torch.manual_seed(seed)
+    draft.reset_parameters()
+    draft.save_pretrained(out)
+
+
+def run_pipeline(cfg: dict[str, Any], config_path: Path, force: set[str] = frozenset()) -> dict[str, Any]:
+    from eyas.recipes import evaluate, export, extract, prepare, regenerate, train
+
+    target = str(cfg.get("target") or "smollm2")
+    workdir = Path(cfg.get("workdir") or Path("runs") / config_path.stem)
+    workdir.mkdir(parents=True, exist_ok=True)
+    online = bool(cfg.get("online", False))
+    ledger = StageLedger(workdir)
+    for stage in force:
+        if stage not in STAGES:
+            raise EyasError(f"--force {stage}: not a stage; stages: {', '.join(STAGES)}")
+        ledger.state.pop(stage, None)
+    paths = {name: workdir / name for name in ("regenerated", "prepared", "store", "train", "export", "eval")}
+    console.print(f"[bold]eyas run[/] {config_path} → {workdir}  (target: {target}, "
+                  f"{'online' if online else 'offline'} training)")
+
+    prep = _section(cfg, "prepare")
+    inputs = prep.pop("inputs", ["sharegpt"])
+    regen = _section(cfg, "regenerate")
+    if regen.pop("enabled", False):
+        regen_out = paths["regenerated"] / "conversations.jsonl"
+        regen_opts = {"inputs": inputs, "model": target, "out": regen_out, **regen}
+        ledger.run("regenerate", regen_opts, [regen_out],
+                   lambda: call_stage("regenerate", regenerate.cli, regen_opts))
+        inputs = [str(regen_out)]
+
+    prep_opts = {"inputs": [str(i) for i in inputs], "model": target, "out": paths["prepared"], **prep}
+    ledger.run("prepare", prep_opts, [paths["prepared"] / "manifest.json"],
+               lambda: call_stage("prepare", prepare.cli, prep_opts))
+
+    train_opts = {"out": paths["train"], "model": target, **_section(cfg, "train")}
+    if online:
+        train_opts.update(online=True, prepared=paths["prepared"])
+    else:
+        ext_opts = {"prepared": paths["prepared"], "model": target, "out": paths["store"], **_section(cfg, "extract")}
+        ledger.run("extract", ext_opts, [paths["store"] / "manifest.json"],
+                   lambda: call_stage("extract", extract.cli, ext_opts))
+        train_opts["store"] = paths["store"]
+    draft_dir = paths["train"] / "draft"
+    ledger.run("train", train_opts, [draft_dir / "model.safetensors"],
+               lambda: call_stage("train", train.cli, {"resume": True, **train_opts}))
+
+    exp_opts = {"draft": draft_dir, "format": "all", "out": paths["export"], **_section(cfg, "export")}
+    ledger.run("export", exp_opts, [paths["export"]], lambda: call_stage("export", export.cli, exp_opts))
+
+    ev = {"model": target, **_section(cfg, "eval")}
+    untrained = workdir / "draft-untrained"
+    before, after = paths["eval"] / "untrained", paths["eval"] / "trained"
+
+    def run_eval() -> None:
+        make_untrained_draft(draft_dir, untrained)
+        call_stage("eval", evaluate.cli, {**ev, "draft": str(untrained), "out": before, "label": "untrained",
+                                          "baseline": False, "force": True})
+        call_stage("eval", evaluate.cli, {**ev, "draft": str(draft_dir), "out": after, "label": "trained",
+                                          "compare": [str(before / "report.json")], "force": True})
+
+    ledger.run("eval", ev, [after / "report.json", before / "report.json"], run_eval)
+    return final_report(workdir, before, after, paths["export"])
+
+
+def _overall_tau(report: Path) -> dict[str, float]:
+    data = read_json(report)
+    return {m: float(v.get("tau", float("nan"))) for m, v in data["results"]["all"].items() if "tau" in v}
+
+
+def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> dict[str, Any]:
+    """Print what a person wants at the end: did training help, where is the draft, how to serve it."""
+    from rich.table import Table
+
+    tau_before, tau_after = _overall_tau(before / "report.json"), _overall_tau(after / "report.json")
+    speed = {m: v.get("speedup") for m, v in read_json(after / "report.json")["results"]["all"].items()}
+    table = Table(title="acceptance length tau (MT-Bench style prompts), before and after training")
+    for col in ("method", "tau untrained", "tau trained", "speedup (trained)"):
+        table.add_column(col, justify="right")
+    for method in tau_after:
+        sp = speed.get(method)
+        table.add_row(method, f"{tau_before.get(method, float('nan')):.2f}", f"{tau_after[method]:.2f}",
+                      f"{sp:.2f}x" if isinstance(sp, (int, float)) else "-")
+    out = Console()
+    out.print(table)
+    out.print(f"report: {after / 'report.md'}   plots: {', '.join(str(p) for p in sorted(after.glob('*.png')))}")
+    readme = export_dir / "vllm" / "README.md"
+    serve = next((line.strip() for line in readme.read_text().splitlines() if "vllm serve" in line), None) \
+        if readme.is_file() else None
+    out.print(f"exported drafts: {export_dir}  (vllm/, sglang/, speculators/)")
+    if serve:
+        out.print(f"serve with vLLM: [bold]{serve}[/]")
+    summary = {"tau_untrained": tau_before, "tau_trained": tau_after, "export": str(export_dir), "serve": serve}
+    atomic_write_json(workdir / "summary.json", summary)
+    return summary
+
+
 def cli(
-    config: Path = typer.Argument(..., help="YAML config: target, workdir and one section per stage."),
+    config: Path = typer.Argument(..., help="YAML config: target, workdir, online, and one section per stage "
+                                  "holding that stage's options (see configs/)."),
     force: list[str] = typer.Option([], "--force", help="Rerun this stage (repeatable) even if up to date."),
 ) -> None:
-    from eyas.recipes.pipeline import run_pipeline
-
     run_pipeline(load_config(config), config_path=config, force=set(force))

@@ -346,14 +346,14 @@ class ShardBuffer:
 
 
 class StoreWriter:
-    """Writes shards of OUT.partial/ from a background thread; rank 0 turns the folder into OUT.
+    """Writes shards of OUT.partial/ from background threads; rank 0 turns the folder into OUT.
 
     Usage (per rank): `for shard in w.todo(): buf = w.acquire(shard); ...fill buf...; w.submit(buf, event)`,
     then `w.close()`, and on rank 0 after every rank closed, `w.finalize(head)`.
     """
 
     def __init__(self, out: str | os.PathLike, meta: StoreMeta, lengths: np.ndarray, plan: list[ShardSpec],
-                 rank: int = 0, world: int = 1, pin: bool = False, num_buffers: int = 2,
+                 rank: int = 0, world: int = 1, pin: bool = False, num_writers: int = 2,
                  on_shard: Callable[[ShardSpec], None] | None = None) -> None:
         self.out = Path(out)
         self.partial = partial_dir(self.out)
@@ -362,16 +362,22 @@ class StoreWriter:
         self.pin, self.on_shard = pin, on_shard
         self.capacity = max((s.num_tokens for s in plan), default=1) or 1
         self._free: queue.Queue = queue.Queue()
-        self._num_buffers, self._made = num_buffers, 0
+        # one buffer per writer thread + the one being filled: the device never waits for the disk
+        # unless the disk is slower than the device for good
+        self._num_buffers, self._made = num_writers + 1, 0
         if pin:  # pinning is slow (page locking): do it once, before the timed loop
-            for _ in range(min(num_buffers, len(plan))):
+            for _ in range(min(self._num_buffers, len(plan))):
                 self._free.put(ShardBuffer(meta, self.capacity, pin))
                 self._made += 1
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="eyas-store-writer", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
         self.bytes_written = 0
+        # several writers: each hashes its own shard, so sha256 (~2 GB/s per core) is not the limit
+        self._threads = [threading.Thread(target=self._work, name=f"eyas-store-writer-{i}", daemon=True)
+                         for i in range(num_writers)]
+        for t in self._threads:
+            t.start()
 
     # -- state on disk --
     def done(self, shard: ShardSpec) -> bool:
@@ -411,14 +417,17 @@ class StoreWriter:
 
     def close(self) -> None:
         """Wait until every submitted shard is on disk; re-raise a writer error."""
-        self._jobs.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
         self._raise_if_failed()
 
     def abort(self) -> None:
-        """Stop the writer thread after the shard it is writing (finished shards stay for a resume)."""
+        """Stop the writer threads after the shards they are writing (finished shards stay for a resume)."""
         self._error = self._error or EyasError("extraction aborted")
-        self._jobs.put(None)
+        for _ in self._threads:
+            self._jobs.put(None)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -452,7 +461,8 @@ class StoreWriter:
         rec = {"file": s.file, "sha256": sha, "first_sample": s.first_sample, "num_samples": s.num_samples,
                "num_tokens": s.num_tokens, "bytes": nbytes}
         atomic_write_json(self.partial / f"{s.file[:-12]}.json", rec)
-        self.bytes_written += nbytes
+        with self._lock:
+            self.bytes_written += nbytes
 
     # -- the end --
     def finalize(self, head: TargetHead) -> Path:

@@ -185,7 +185,10 @@ def fused_draft_ce(weight: torch.Tensor, hiddens: list[torch.Tensor], target: Ta
     """weight [V_d, H] (the draft's lm_head), hiddens: per step the normed draft output [N, H],
     wvalid [S, N] = step weight * validity. Returns (loss: weighted CE summed over rows and steps,
     stats [S, 3]: per step CE sum, correct count, valid count, all over valid rows only)."""
-    chunk = max(16, chunk_elems // weight.shape[0])
+    N = wvalid.shape[1]
+    max_rows = max(16, chunk_elems // weight.shape[0])
+    n_chunks = -(-N // max_rows)
+    chunk = -(-N // n_chunks)  # equal chunks: one compiled shape when N divides evenly
     return _FusedDraftCE.apply(weight, target.probs, target.ids, wvalid, chunk, compiled, *hiddens)
 
 

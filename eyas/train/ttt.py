@@ -84,6 +84,13 @@ class TTTModel(nn.Module):
         if cfg.compile:
             compile_draft_layers(draft)
 
+    def _step_weights(self, device: torch.device) -> torch.Tensor:
+        """[S] fp32 on `device`, made once (a pageable host->device copy would sync the stream)."""
+        w = getattr(self, "_w", None)
+        if w is None or w.device != device:
+            w = self._w = torch.tensor(self.weights, dtype=torch.float32).to(device)
+        return w
+
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
                 loss_mask: torch.Tensor, target_probs: torch.Tensor, target_ids: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +108,7 @@ class TTTModel(nn.Module):
         if docs is None:
             docs = torch.arange(B, device=input_ids.device)[:, None].expand(B, T)
         valid = step_validity(loss_mask.reshape(-1), docs.reshape(-1), target_ids, S)  # [S, B*T]
-        w = torch.tensor(self.weights, dtype=torch.float32, device=input_ids.device)
-        wvalid = valid.float() * w[:, None]
+        wvalid = valid.float() * self._step_weights(input_ids.device)[:, None]
         attend = TTTAttention(self.cfg.attention, document_ids=document_ids)
         hidden = draft.fuse(aux_hidden)  # [B, T, H]
         outs = []
