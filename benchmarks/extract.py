@@ -40,7 +40,7 @@ SHAPES = {
     # SmolLM2-135M: 30 layers, hidden 576, FFN 1536, 9 / 3 heads, vocab 49152
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
 
@@ -148,7 +148,8 @@ def bench_shape(shape: str, args, dev: torch.device, work: Path, ceiling: float)
     batches = batches_of(n, T, budget, cfg.vocab_size, dev)
     prepared = work / f"prepared-{shape}"
     make_prepared(prepared, n, T, cfg.vocab_size)
-    rows = []
+    rows: list[tuple] = []
+    print(f"# {shape}: {n} x {T} tokens, token budget {budget}, aux layers {aux_ids}", flush=True)
 
     t_bare = bare_forward(model, batches, dev)
     tflops = tokens * flops_per_token(cfg, T) / t_bare / 1e12
@@ -163,6 +164,8 @@ def bench_shape(shape: str, args, dev: torch.device, work: Path, ceiling: float)
         rows.append((shape, name, st["tokens"] / st["seconds"],
                      f"{st['bytes'] / st['seconds'] / 2**30:.2f} GiB/s to disk; +{st['total_seconds'] - st['seconds']:.1f}s "
                      "one-off (plan, head, manifest)"))
+    for r in rows:
+        print(f"#   {r[1]}: {r[2]:,.0f} tok/s {r[3]}", flush=True)
     del model, batches
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -182,13 +185,14 @@ def main() -> None:
     os.environ.setdefault("EYAS_NO_PROGRESS", "1")
     if args.smoke:
         dev = torch.device("cpu")
+        torch.set_num_threads(1)  # steadier figures on a shared CPU
         args.shapes, args.seq_len, args.samples = "tiny", 64, args.samples or 24
         ceiling = matmul_ceiling(dev, 256, 5)
     else:
         if not torch.cuda.is_available():
             sys.exit("no GPU: run with --smoke on a CPU")
         dev = torch.device("cuda", 0)
-        ceiling = matmul_ceiling(dev, 8192, 50)
+        ceiling = matmul_ceiling(dev, 8192, 100)
     work = Path(tempfile.mkdtemp(prefix="eyas-bench-", dir=args.work_dir))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"# device: {name}; torch {torch.__version__}; seq_len {args.seq_len}; bf16 matmul ceiling "

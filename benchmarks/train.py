@@ -35,7 +35,7 @@ from eyas.model.draft import Eagle3Draft  # noqa: E402
 from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids  # noqa: E402
 from eyas.train.distributed import DistInfo  # noqa: E402
 from eyas.train.loss import target_distribution  # noqa: E402
-from eyas.train.trainer import Trainer, TrainConfig  # noqa: E402
+from eyas.train.trainer import TrainConfig, Trainer  # noqa: E402
 from eyas.train.ttt import TTTConfig, TTTModel  # noqa: E402
 
 # SpecForge 0.2.0 on one H200, 2048 tokens, TTT 7 (tok/s, peak GiB); None = not published
@@ -75,10 +75,10 @@ def draft_flops_per_token(cfg: DraftConfig, T: int, steps: int) -> float:
     """Training FLOPs per token of the draft: matmuls and attention, backward = 2x forward (fc: 1x,
     its input needs no gradient). Attention at step j: causal over the step-0 keys (avg (T+1)/2)
     plus j same-row keys. The target head's logits are not counted (they are not the draft's)."""
-    H, I, nh, nkv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, \
+    H, inter, nh, nkv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, \
         cfg.head_dim
     fc = 2 * cfg.num_aux_layers * cfg.target_hidden_size * H
-    proj = 2 * 2 * H * (nh + 2 * nkv) * hd + 2 * nh * hd * H + 2 * 3 * H * I + 2 * H * cfg.draft_vocab_size
+    proj = 2 * 2 * H * (nh + 2 * nkv) * hd + 2 * nh * hd * H + 2 * 3 * H * inter + 2 * H * cfg.draft_vocab_size
     attn = sum(4 * nh * hd * ((T + 1) / 2 + j) for j in range(steps))
     return 3 * (steps * proj + attn) + 2 * fc
 

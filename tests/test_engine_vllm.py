@@ -201,6 +201,45 @@ def test_hooks_path_matches_transformers(native_engine, tiny_llama, reference):
 
 
 @needs_vllm
+def test_gemma3_auto_picks_hooks_and_head_matches(native_engine, tmp_path):
+    """vLLM's Gemma3 has no EAGLE-3 aux outputs: 'auto' takes the hooks path. Gemma's scaled
+    embeddings, (1 + w) norms and sliding-window layers (window 64 < 300 tokens) all checked."""
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    from eyas.engines.vllm import VllmEngine
+
+    native_engine.close()  # one engine at a time in this process
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(hidden_size=HIDDEN, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, num_hidden_layers=N_LAYERS, vocab_size=VOCAB, max_position_embeddings=2048,
+                           sliding_window=64, initializer_range=0.1)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    Gemma3ForCausalLM(cfg).float().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    pre_norm = {}
+    model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.__setitem__("x", args[0]))
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (300, 1, 37)]
+    refs = []
+    with torch.no_grad():
+        for s in seqs:
+            out = model(s[None], output_hidden_states=True)
+            refs.append({"hidden": [h[0] for h in out.hidden_states], "final": pre_norm["x"][0],
+                         "logits": out.logits[0]})
+    eng = VllmEngine(str(tmp_path), aux_layer_ids=[0, 3], dtype="float32", kv_cache_memory_bytes=32 << 20,
+                     max_model_len=512)
+    try:
+        assert eng.path == "hooks"
+        check_against_reference(eng, seqs, refs, [0, 3])
+        head = eng.target_head()
+        assert head.norm_offset == 1.0 and head.embed_scale == pytest.approx(HIDDEN**0.5)
+        cap = eng.capture([seqs[2]])[0]
+        assert rel_err(head.logits(cap.final), refs[2]["logits"]) <= 1e-5
+    finally:
+        eng.close()
+
+
+@needs_vllm
 def test_probe_finds_everything_in_installed_vllm():
     probe = probe_vllm()
     assert (probe.missing_common, probe.missing_native, probe.missing_hooks) == ([], [], [])

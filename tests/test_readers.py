@@ -115,6 +115,16 @@ def test_json_array_resyncs_after_a_broken_record_and_reports_a_cut_file(tmp_pat
     assert "2 records before it" in log.examples["truncated_file"][0]
 
 
+def test_json_array_row_with_invalid_utf8_is_skipped(tmp_path):
+    good = json.dumps(sharegpt("q", "a")).encode()
+    bad = json.dumps(sharegpt("caf_", "ok")).encode().replace(b"caf_", b"caf\xe9")
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b"[\n" + good + b",\n" + bad + b",\n" + good + b"\n]\n")
+    log = SkipLog()
+    assert len(read_conversations(path, log)) == 2
+    assert dict(log.counts) == {"not_utf8": 1} and log.examples["not_utf8"][0].startswith(f"{path}:3: ")
+
+
 def test_embedded_sharegpt_file_is_truncated_and_recovered():
     """The shipped ShareGPT JSON is cut off: every complete record is recovered, the cut one reported."""
     from eyas.assets import sharegpt_path

@@ -129,7 +129,7 @@ def test_fused_loss_matches_plain_autograd_and_rows_are_independent():
     losses, and equal the sum of the rows run alone."""
     draft, head = make_setup(1)
     a, b = make_pack([12], pad=0, seed=2), make_pack([9], pad=3, seed=3)
-    batch = [torch.stack([x, y]) for x, y in zip(a, b)]
+    batch = [torch.stack([x, y]) for x, y in zip(a, b, strict=True)]
     ids, mask, pos, doc, aux, final = batch
     steps = 3
     tgt = target_distribution(head, final.reshape(-1, H), draft_to_target_ids(draft.d2t),

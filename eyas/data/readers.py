@@ -389,7 +389,8 @@ def resolve_input(name: str) -> Source:
             raise EyasError(f"{path}:1: neither a JSON array nor JSONL (starts with {first!r}). "
                             "Give ShareGPT/OpenAI chat data as .json, .jsonl or .parquet.")  # fmt: skip
         raise EyasError(f"{path}: unknown file type '{suffix}'. Use .json, .jsonl, .parquet, .arrow or a saved dataset.")
-    if "/" in name and not name.startswith((".", "/", "~")) and name.count("/") == 1:
+    looks_like_file = path.suffix.lower() in (".json", ".jsonl", ".ndjson", ".parquet", ".arrow")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")) and not looks_like_file:
         return Source(name, "hub", name)
     raise EyasError(f"input '{name}' not found: not a file, not a folder, not one of {sorted(NAMED_INPUTS)}, "
                     "not a hub dataset name (owner/name).")  # fmt: skip

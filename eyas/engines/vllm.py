@@ -6,12 +6,13 @@ Two capture paths, chosen by probing the installed vLLM at start (`probe_vllm`):
   (under TP, on every rank) hands the hidden states at the requested layer ids to a cache-only
   "draft" layer, which writes them into a KV-cache block per token; when a request finishes, the
   KV connector reads its blocks. `EyasHiddenStatesConnector` (below) is vLLM's example connector
-  with a synchronous, CPU-safe write: TP rank 0 writes one safetensors file per request into a
-  private temp folder and eyas reads it back. Layer id N (= num_layers) is the last decoder
-  layer's output before the final norm: that is our `final`.
-- `hooks` (fallback, where the native path is missing): forward hooks installed on the decoder
-  layers of every worker through `LLM.collective_rpc`. vLLM's decoder layers carry the residual
-  stream separately, so a layer's input is `hidden + residual`.
+  with a synchronous, CPU-safe hand-over: TP rank 0 passes the states in memory (tp=1, same
+  process) or as one safetensors file per request in a private temp folder (tp>1). Layer id N
+  (= num_layers) is the last decoder layer's output before the final norm: that is our `final`.
+- `hooks` (fallback): forward hooks on the decoder layers of every worker, installed through
+  `LLM.collective_rpc`. vLLM's decoder layers carry the residual stream separately, so a layer's
+  input is `hidden + residual`. Used where the native path is missing, and for architectures
+  whose vLLM class has no EAGLE-3 aux outputs (Gemma, Phi-3, ...).
 
 Why it is exact: prefix caching is off (a cached prefix is not recomputed, so it would have no
 states) and chunked prefill is off (each sequence is one forward pass; `max_num_batched_tokens >=
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import math
 import os
@@ -287,10 +289,15 @@ def _rpc_install_hooks(worker: Any, layer_ids: list[int], num_layers: int) -> bo
     if get_tensor_model_parallel_rank() != 0:
         return True  # every rank holds the full (all-reduced) hidden states; rank 0 reports them
     inner, layers = _worker_decoder(worker, num_layers)
+    # the layer API the hooks read: forward(positions, hidden_states, residual, ...) -> (hidden, residual)
+    params = list(inspect.signature(layers[0].forward).parameters)
+    if params[:2] != ["positions", "hidden_states"] or "residual" not in params:
+        raise RuntimeError(f"eyas: {type(layers[0]).__name__}.forward{tuple(params)} is not the "
+                           "(positions, hidden_states, residual) decoder-layer API the hooks path reads")
 
     def total(hidden: torch.Tensor, residual: Any) -> torch.Tensor:
         # vLLM layers pass (hidden, residual) separately; the residual stream is their sum
-        return (hidden + residual if isinstance(residual, torch.Tensor) else hidden).detach().cpu().clone()
+        return (hidden + residual if isinstance(residual, torch.Tensor) else hidden).detach().to("cpu", copy=True)
 
     # vLLM's compiled-model decorator calls the decoder's forward directly (module hooks on it never
     # fire), so the token ids come from the embedding and a record opens at layer 0.
@@ -300,13 +307,13 @@ def _rpc_install_hooks(worker: Any, layer_ids: list[int], num_layers: int) -> bo
 
     def on_embed(_m: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        worker._eyas_ids = ids.detach().cpu().clone()
+        worker._eyas_ids = ids.detach().to("cpu", copy=True)
 
     def pre(k: int) -> Callable:
         def hook(_m: Any, args: tuple, kwargs: dict) -> None:
             if k == 0:
                 pos = kwargs.get("positions", args[0] if args else None)
-                worker._eyas_records.append({"input_ids": worker._eyas_ids, "positions": pos.detach().cpu().clone()})
+                worker._eyas_records.append({"input_ids": worker._eyas_ids, "positions": pos.detach().to("cpu", copy=True)})
             hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
             residual = kwargs.get("residual", args[2] if len(args) > 2 else None)
             if k in wanted:
@@ -345,7 +352,24 @@ def _rpc_remove_hooks(worker: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+_DTYPE_ALIASES = {"auto": "bfloat16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+_HF_ONLY_OPTIONS = {"device", "device_map", "attn_implementation"}  # accepted and ignored
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _supports_eagle3(cfg: dict) -> bool | None:
+    """Whether vLLM's class for this architecture can output aux hidden states (None: unknown)."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        for arch in cfg.get("architectures") or []:
+            cls = ModelRegistry._try_load_model_cls(arch)
+            if cls is not None:
+                return bool(supports_eagle3(cls))
+    except Exception:  # noqa: BLE001 - a registry change only loses the early choice
+        return None
+    return None
 
 
 def _cpu_shm_idents() -> set[str]:
@@ -362,7 +386,7 @@ def _default_tmp_root() -> str | None:
 class VllmEngine(TargetEngine):
     """Prefill-only hidden-state capture with vLLM (tensor parallel with `tp > 1`).
 
-    Extra options: `max_model_len` (longest sequence + 1; default 4096), `max_num_batched_tokens`
+    Extra options: `max_model_len` (longest sequence + 1; default min(4096, the model's)), `max_num_batched_tokens`
     (tokens per forward step; >= max_model_len), `max_num_seqs`, `kv_cache_memory_bytes` or
     `gpu_memory_utilization`, `capture_path` ('auto' | 'native' | 'hooks'), `llm_kwargs` (any
     other `vllm.LLM` argument).
@@ -377,20 +401,27 @@ class VllmEngine(TargetEngine):
         dtype: str = "auto",
         tp: int = 1,
         *,
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float | None = None,
         capture_path: str = "auto",
         seed: int = 0,
+        trust_remote_code: bool = False,
         llm_kwargs: dict[str, Any] | None = None,
-        **ignored: Any,
+        **hf_only: Any,
     ) -> None:
+        unknown = sorted(set(hf_only) - _HF_ONLY_OPTIONS)
+        if unknown:
+            raise EyasError(f"unknown vllm engine option(s) {unknown}; pass other vllm.LLM arguments in llm_kwargs")
         self.probe = probe_vllm(path=capture_path)
         self.path = self.probe.path if capture_path == "auto" else capture_path
         self.model_dir = self._local_dir(model)
         cfg = self._read_config(self.model_dir)
+        if capture_path == "auto" and self.path == "native" and _supports_eagle3(cfg) is False:
+            # vLLM hands aux states only to models with its EAGLE-3 interface (not Gemma, Phi-3, ...)
+            self.path = "hooks" if not self.probe.missing_hooks else self.path
         text = cfg.get("text_config") or cfg
         self.num_layers = int(text["num_hidden_layers"])
         self.hidden_size = int(text["hidden_size"])
@@ -401,8 +432,8 @@ class VllmEngine(TargetEngine):
         self._layer_ids = sorted(set(self.aux_layer_ids) | {self.num_layers})
         self._aux_cols = [self._layer_ids.index(k) for k in self.aux_layer_ids]
         self._final_col = self._layer_ids.index(self.num_layers)
-        self.max_model_len = int(max_model_len)
-        self.dtype = "bfloat16" if dtype == "auto" else dtype
+        self.max_model_len = int(max_model_len or min(4096, int(text.get("max_position_embeddings") or 4096)))
+        self.dtype = _DTYPE_ALIASES.get(str(dtype), str(dtype))
 
         # The extra step that flushes finished requests' states (see _drain) needs the engine core
         # in this process; TP workers still run in their own processes.
@@ -413,7 +444,7 @@ class VllmEngine(TargetEngine):
             model=str(model), dtype=self.dtype, tensor_parallel_size=int(tp), enforce_eager=True,
             enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=self.max_model_len,
             max_num_batched_tokens=max(int(max_num_batched_tokens or 0), self.max_model_len),
-            max_num_seqs=int(max_num_seqs), seed=seed,
+            max_num_seqs=int(max_num_seqs), seed=seed, trust_remote_code=trust_remote_code,
             # token ids in, states out: the tokenizer is only loaded when the folder has one
             skip_tokenizer_init=not any((self.model_dir / f).is_file() for f in _TOKENIZER_FILES),
         )
@@ -443,8 +474,10 @@ class VllmEngine(TargetEngine):
             self._check_effective_config(self.llm.llm_engine.vllm_config)
             if self.path == "hooks":
                 self.llm.collective_rpc(_rpc_install_hooks, args=(self._layer_ids, self.num_layers))
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if "eyas:" in str(e):
+                raise EyasError(f"vllm engine, hooks path: {e}. Use --engine hf for this target.") from e
             raise
 
     # -- setup helpers -------------------------------------------------------------------------
@@ -567,7 +600,9 @@ class VllmEngine(TargetEngine):
         return result
 
     def _collect_hooks(self, token_lists: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        records = next(r for r in self.llm.collective_rpc(_rpc_take_records) if r is not None)
+        records = next((r for r in self.llm.collective_rpc(_rpc_take_records) if r is not None), None)
+        if records is None:
+            raise EyasError("vllm engine (hooks path): no worker reported captured states; the hooks are gone")
         # Each forward step holds whole sequences (no chunked prefill) laid end to end; a sequence
         # starts where positions restart at 0. Match them to requests by their token ids.
         segments: dict[tuple[int, ...], list[torch.Tensor]] = {}

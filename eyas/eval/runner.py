@@ -200,6 +200,7 @@ def evaluate_draft(
                             if key in done:
                                 rec = done[key]
                                 stats[name].add_record(rec)
+                                result.records.append(rec)
                                 if answer_text is None and rec.get("answer") is not None:
                                     answer_text = rec["answer"]
                                 if reference is None and m is None:
@@ -214,7 +215,7 @@ def evaluate_draft(
                             stats[name].add(gen, identical)
                             rec = record_of(pset.name, item.id, turn_idx, name, gen, 0 if m is None else m.max_accept,
                                             identical, len(ids))
-                            if answer_text is None:
+                            if answer_text is None and tokenizer is not None:
                                 answer_text = tokenizer.decode(gen.tokens, skip_special_tokens=True)
                                 rec["answer"], rec["answer_ids"] = answer_text, gen.tokens
                             result.records.append(rec)

@@ -199,9 +199,10 @@ class SpeculativeDecoder:
         return draft_tokens, q_target
 
     def _draft_tree(self, cache: KVCache, root: torch.Tensor, logits: torch.Tensor,
-                    spec: TreeSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    spec: TreeSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """EAGLE-2 dynamic tree. Returns, for the N selected nodes in creation order: target token ids [N],
-        parent index [N] in 0..N (0 = the root, node i is index i+1) and depth [N] (1..depth)."""
+        parent index [N] in 0..N (0 = the root, node i is index i+1), depth [N] (1..depth) and the
+        cumulative draft log-prob [N] they were selected by."""
         dev, k, L = self.device, spec.top_k, cache.length
         k = min(k, logits.shape[-1])
         logp = torch.log_softmax(logits, dim=-1)
@@ -240,7 +241,21 @@ class SpeculativeDecoder:
         chosen = torch.sort(torch.sort(-scores, stable=True).indices[:n]).values
         parents = torch.cat(pool_parent)[chosen]
         parent_pos = torch.where(parents < 0, 0, torch.searchsorted(chosen, parents.clamp_min(0)) + 1)
-        return self.d2t_ids[torch.cat(pool_tok)[chosen]], parent_pos, torch.cat(pool_depth)[chosen]
+        return self.d2t_ids[torch.cat(pool_tok)[chosen]], parent_pos, torch.cat(pool_depth)[chosen], scores[chosen]
+
+    def verify_tree(self, cache, tree_ids: torch.Tensor, parent_all: torch.Tensor, depth: torch.Tensor,
+                    max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over a whole tree. tree_ids [N+1] (root first), parent_all [N+1] (root's = 0),
+        depth [N] of the non-root nodes -> logits [N+1, V], aux [N+1, k*H]. Each node sees the cached
+        prefix and its own ancestors, at rotary position prefix + its depth."""
+        dev, L = self.device, cache.get_seq_length()
+        eye = torch.eye(tree_ids.numel(), dtype=torch.bool, device=dev)
+        ancestors = eye
+        for _ in range(max_depth):  # row i |= row parent(i): after d rounds, paths of length d are complete
+            ancestors = eye | ancestors[parent_all]
+        positions = L + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth])
+        return self.target.forward(tree_ids[None], positions[None], cache,
+                                   attention_mask=self.target.tree_mask(L, ancestors))
 
     # -- one generation --------------------------------------------------------------------------
 
@@ -282,17 +297,11 @@ class SpeculativeDecoder:
                 path = torch.arange(1, accepted + 1, device=dev)
                 new_tokens = drafts[:accepted]
             else:
-                tokens, parents, depth = self._draft_tree(dcache, root, root_logits, method)
+                tokens, parents, depth, _ = self._draft_tree(dcache, root, root_logits, method)
                 gen.draft_forwards += method.depth
-                N = tokens.numel()
                 tree_ids = torch.cat([last, tokens])  # [N+1], the root first
                 parent_all = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), parents])
-                ancestors = torch.eye(N + 1, dtype=torch.bool, device=dev)
-                for _ in range(method.depth):
-                    ancestors = torch.eye(N + 1, dtype=torch.bool, device=dev) | ancestors[parent_all]
-                positions = L + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth])
-                logits, aux = target.forward(tree_ids[None], positions[None], cache,
-                                             attention_mask=target.tree_mask(L, ancestors))
+                logits, aux = self.verify_tree(cache, tree_ids, parent_all, depth, method.depth)
                 if greedy:
                     host = torch.stack([parent_all, tree_ids, logits.argmax(-1)]).tolist()
                     path_l, nxt = walk_tree_greedy(host[0], host[1], host[2])

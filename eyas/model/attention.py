@@ -172,7 +172,9 @@ def _document_block_mask(document_ids: torch.Tensor):
         return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
     B, T = doc.shape
-    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=str(doc.device))
+    # compiled on CUDA: the eager builder materializes the [B, T, T] mask (GBs at T = 16k)
+    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=str(doc.device),
+                             _compile=doc.is_cuda)
 
 
 class KVCache:

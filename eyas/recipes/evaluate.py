@@ -104,7 +104,6 @@ def run_eval(draft: str, model: str = "smollm2", prompts: str = "mtbench", chain
              seed: int = 0, compare: list[str] | None = None, label: str | None = None, baseline: bool = True,
              force: bool = False, log=print) -> Path:
     """`eyas eval` as a function: returns the output folder (reused when up to date)."""
-    import torch
 
     from eyas.assets import resolve_model
     from eyas.eval.prompts import load_prompt_sets

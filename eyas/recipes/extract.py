@@ -61,12 +61,17 @@ def parse_layer_ids(text: str | list[int] | None) -> list[int] | None:
 
 
 class Ranks:
+    """This process' place under torchrun (rank 0 of 1 without it)."""
+
     def __init__(self) -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.group = None
         if self.world > 1:
             import torch.distributed as dist
+
+            if torch.cuda.is_available():  # else every rank's pinned buffers would live in GPU 0's context
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo", timeout=timedelta(hours=48))

@@ -107,7 +107,6 @@ _ENCODER: ChatEncoder | None = None
 
 def _init_worker(encoder: ChatEncoder) -> None:
     global _ENCODER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _ENCODER = encoder
 
 
@@ -161,7 +160,16 @@ def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_worke
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(num_workers, initializer=_init_worker, initargs=(encoder,)) as pool:
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # workers are the parallelism (and no fork warning)
+    try:
+        pool = ctx.Pool(num_workers, initializer=_init_worker, initargs=(encoder,))
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM")
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    with pool:
         pending: deque = deque()
         for c in chunks:
             pending.append(pool.apply_async(encode_rows, (c,)))
@@ -290,7 +298,7 @@ def _summary(out: Path, m: dict[str, Any], log: SkipLog, seconds: float) -> None
     t.add_row("time", f"{seconds:.1f} s")
     console.print(t)
     for line in log.lines():
-        console.print(Text(line, style="yellow"))
+        console.print(Text(line, style="yellow"), soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,14 +341,15 @@ def show_samples(path: Path, n: int, tokenizer: Any, out: Console | None = None)
 def cli(
     inputs: list[str] = typer.Argument(None, help="Chat files, saved datasets, hub names, or `sharegpt` / `dummy`."),
     model: str = typer.Option("smollm2", "--model", "-m", help="Target whose tokenizer and chat template to use: "
-                              "`smollm2`, an HF id or a local folder. [default: smollm2]"),
-    out: Path = typer.Option(Path("data/prepared"), "--out", "-o", help="Output folder. [default: data/prepared]"),
-    max_length: int = typer.Option(2048, help="Longest sample in tokens. [default: 2048]"),
-    overlong: str = typer.Option("truncate", help="Longer samples: `truncate` or `drop`. [default: truncate]"),
-    max_samples: int = typer.Option(None, help="Stop after this many samples. [default: all]"),
-    num_workers: int = typer.Option(None, help="Worker processes (1: in-process). [default: one per CPU core]"),
-    show: int = typer.Option(0, help="Then print this many samples with the trained tokens highlighted. [default: 0]"),
-    chat_template: Path = typer.Option(None, help="A Jinja chat template file to use instead of the model's."),
+                              "`smollm2`, an HF id or a local folder."),
+    out: Path = typer.Option(Path("data/prepared"), "--out", "-o", help="Output folder."),
+    max_length: int = typer.Option(2048, help="Longest sample in tokens."),
+    overlong: str = typer.Option("truncate", help="Longer samples: `truncate` or `drop`."),
+    max_samples: int = typer.Option(None, help="Stop after this many samples.", show_default="all"),
+    num_workers: int = typer.Option(None, help="Worker processes (1: in-process).", show_default="one per CPU core"),
+    show: int = typer.Option(0, help="Then print this many samples with the trained tokens highlighted."),
+    chat_template: Path = typer.Option(None, help="A Jinja chat template file to use instead of the model's.",
+                                       show_default="the model's own"),
     force: bool = typer.Option(False, "--force", help="Rebuild even if the output is up to date."),
 ) -> None:
     inputs = list(inputs or [])

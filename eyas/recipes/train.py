@@ -57,8 +57,8 @@ def run_train(
     from eyas.train.data import Plan, SampleSource, iterate_batches, token_counts
     from eyas.train.trainer import (
         MetricsLog,
-        Trainer,
         TrainConfig,
+        Trainer,
         latest_checkpoint,
         load_checkpoint,
         run_loop,

@@ -428,6 +428,8 @@ class StoreWriter:
         self._error = self._error or EyasError("extraction aborted")
         for _ in self._threads:
             self._jobs.put(None)
+        for t in self._threads:
+            t.join()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -157,7 +157,7 @@ def collate_pack(samples: list[dict[str, torch.Tensor]], budget: int, pad_to: in
         out["aux_hidden"] = torch.zeros(N, a0.shape[1], dtype=a0.dtype)
         out["final_hidden"] = torch.zeros(N, f0.shape[1], dtype=f0.dtype)
     a = 0
-    for d, (s, n) in enumerate(zip(samples, lengths)):
+    for d, (s, n) in enumerate(zip(samples, lengths, strict=True)):
         out["input_ids"][a:a + n] = s["input_ids"][:n]
         out["loss_mask"][a:a + n] = s["loss_mask"][:n]
         out["position_ids"][a:a + n] = torch.arange(n)
@@ -176,20 +176,19 @@ def collate_pack(samples: list[dict[str, torch.Tensor]], budget: int, pad_to: in
 
 
 def fill_states(batch: dict[str, Any], engine: Any) -> dict[str, Any]:
-    """Online mode: run the target on the pack's samples and put their states in the row."""
-    lengths = batch["lengths"]
-    ids = batch["input_ids"]
+    """Online mode: run the target on the pack's samples (host token ids in, no device->host
+    copy) and put their states in the row, on the engine's device."""
+    ids = batch["input_ids"].cpu()
     seqs, a = [], 0
-    for n in lengths:
-        seqs.append(ids[a:a + n].cpu())
+    for n in batch["lengths"]:
+        seqs.append(ids[a:a + n])
         a += n
     cap = engine.capture_flat(seqs)  # aux [sum n, k*H], final [sum n, H], on the engine's device
-    N, used = ids.shape[0], a
-    dev = ids.device
+    N, used, dev = ids.shape[0], a, cap.aux.device
     aux = torch.zeros(N, cap.aux.shape[1], dtype=cap.aux.dtype, device=dev)
     final = torch.zeros(N, cap.final.shape[1], dtype=cap.final.dtype, device=dev)
-    aux[:used] = cap.aux.to(dev, non_blocking=True)
-    final[:used] = cap.final.to(dev, non_blocking=True)
+    aux[:used] = cap.aux
+    final[:used] = cap.final
     return {**batch, "aux_hidden": aux, "final_hidden": final}
 
 

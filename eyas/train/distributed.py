@@ -78,14 +78,14 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def _fp32_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future:
+def _fp32_allreduce_hook(state, bucket):  # no annotations: DDP checks them, and these would be strings
     """DDP comm hook for bf16 gradients: average in fp32, so 8 ranks' sums do not round at 8 bits."""
     buf = bucket.buffer()
     world = dist.get_world_size(state)
     t = buf.to(torch.float32).div_(world)
     fut = dist.all_reduce(t, group=state, async_op=True).get_future()
 
-    def done(f: torch.futures.Future) -> torch.Tensor:
+    def done(f):
         buf.copy_(f.value()[0])
         return buf
 

@@ -164,8 +164,11 @@ class _FusedDraftCE(torch.autograd.Function):
                     stats[j, 0] += (ce * valid).sum()
                     stats[j, 1] += (correct.float() * valid).sum()
                     stats[j, 2] += valid.sum()
-                    gh[a:b] = g @ W
-                    grad_w += (g.T @ hc).to(grad_w.dtype)
+                    torch.mm(g, W, out=gh[a:b])
+                    if grad_w.dtype == g.dtype:
+                        grad_w.addmm_(g.T, hc)  # one GEMM, fp32 accumulation, no [V_d, H] temporary
+                    else:
+                        grad_w += (g.T @ hc).to(grad_w.dtype)
                 grads_h.append(gh)
         ctx.save_for_backward(grad_w, *grads_h)
         ctx.weight_dtype = weight.dtype

@@ -63,7 +63,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     attention: str = "auto"  # auto (flex on GPU) | flex | math
-    compile: bool | None = None  # None = on for CUDA
+    compile: bool | None = None  # None = on for CUDA without FSDP
     fsdp: bool = False
     num_workers: int = 2
     report_to: str = "auto"  # auto | tensorboard | wandb | none
@@ -107,7 +107,7 @@ class MasterWeights:
 
     def collect_grads(self) -> None:
         """Add the bf16 gradients into the fp32 ones and free them (after each micro-batch)."""
-        for p, m in zip(self.params, self.master):
+        for p, m in zip(self.params, self.master, strict=True):
             if p.grad is None:
                 continue
             if m.grad is None:
@@ -118,7 +118,7 @@ class MasterWeights:
 
     @torch.no_grad()
     def push(self) -> None:
-        for p, m in zip(self.params, self.master):
+        for p, m in zip(self.params, self.master, strict=True):
             p.copy_(m)
 
 
@@ -131,7 +131,8 @@ class Trainer:
         dev = self.device = info.device
         self.dtype = cfg.resolved_dtype(dev)
         self.bf16 = self.dtype == torch.bfloat16
-        compile_ = dev.type == "cuda" if cfg.compile is None else cfg.compile
+        # compile by default on one GPU / DDP; under FSDP2 only when asked (less tested there)
+        compile_ = (dev.type == "cuda" and not cfg.fsdp) if cfg.compile is None else cfg.compile
         if dev.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -139,9 +140,9 @@ class Trainer:
         if cfg.fsdp and not info.distributed:
             self.mode = "master" if self.bf16 else "fp32"  # one process: nothing to shard
 
-        draft = draft.to(dev)
         if self.mode == "master":
-            draft = draft.to(self.dtype)
+            draft = draft.to(self.dtype)  # before the move: half the bytes to copy
+        draft = draft.to(dev)
         self.draft = draft
         ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention, compile=compile_)
         model = TTTModel(draft, ttt_cfg)
@@ -245,7 +246,7 @@ class Trainer:
         state = {k: v.detach().cpu() for k, v in self.draft.state_dict().items()}
         if self.master is not None:
             names = {id(p): n for n, p in self.draft.named_parameters()}
-            for p, m in zip(self.master.params, self.master.master):
+            for p, m in zip(self.master.params, self.master.master, strict=True):
                 state[names[id(p)]] = m.detach().cpu()
         return state
 
@@ -276,7 +277,7 @@ class Trainer:
         if self.master is not None:
             names = {id(p): n for n, p in self.draft.named_parameters()}
             with torch.no_grad():
-                for p, m in zip(self.master.params, self.master.master):
+                for p, m in zip(self.master.params, self.master.master, strict=True):
                     m.copy_(draft_state[names[id(p)]])
         self.opt.load_state_dict(optim_state)
 
@@ -378,7 +379,7 @@ class MetricsLog:
         step = rec["step"]
         flat = {"train/loss": rec["loss"], "train/tau_sim": rec["tau_sim"], "train/lr": rec["lr"],
                 "train/grad_norm": rec["grad_norm"], "train/tok_per_s": rec["tok_per_s"]}
-        for j, (a, lo) in enumerate(zip(rec["acc"], rec["step_loss"])):
+        for j, (a, lo) in enumerate(zip(rec["acc"], rec["step_loss"], strict=True)):
             flat[f"acc/step{j}"], flat[f"loss/step{j}"] = a, lo
         if self.tb is not None:
             for k, v in flat.items():
@@ -421,9 +422,14 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
             if trainer.step >= total_steps:
                 break
             if engine is not None:
-                micro = [fill_states(trainer._to_device(b), engine) for b in micro]
+                micro = [fill_states(b, engine) for b in micro]
             trainer.train_step(micro)
             n_tok = sum(int(b["num_tokens"]) for b in micro)
+            cut = sum(int(b.get("truncated", 0)) for b in micro)
+            if cut and show and not progress_state.get("warned_truncation"):
+                progress_state["warned_truncation"] = True
+                log(f"note: samples longer than the token budget ({cfg.token_budget}) are cut to it; raise "
+                    "--token-budget to train on their ends")
             n_tok_global = n_tok * trainer.info.world
             session_tokens += n_tok_global
             window_tokens += n_tok_global

@@ -27,7 +27,14 @@ from torch import nn
 
 from eyas.model.attention import TTTAttention
 from eyas.model.draft import Eagle3Draft
-from eyas.train.loss import TargetDist, fused_draft_ce, reference_draft_ce, step_validity, step_weights, tau_sim
+from eyas.train.loss import (
+    TargetDist,
+    fused_draft_ce,
+    reference_draft_ce,
+    step_validity,
+    step_weights,
+    tau_sim,
+)
 
 
 @dataclass
@@ -61,11 +68,15 @@ class _CompiledOrEager:
 
 
 def compile_draft_layers(draft: Eagle3Draft) -> None:
-    """Compile each decoder layer's halves around the attention call (static shapes, no state)."""
+    """Compile each decoder layer's halves around the attention call and the final norm (static
+    shapes, no Python state): fused elementwise work, and cheap intermediates recomputed in the
+    backward pass instead of kept."""
     for i, layer in enumerate(draft.layers):
         if not isinstance(layer.attention_inputs, _CompiledOrEager):
             layer.attention_inputs = _CompiledOrEager(layer.attention_inputs, f"layers.{i}.attention_inputs")
             layer.finish = _CompiledOrEager(layer.finish, f"layers.{i}.finish")
+    if not isinstance(draft.norm.forward, _CompiledOrEager):
+        draft.norm.forward = _CompiledOrEager(draft.norm.forward, "norm")
 
 
 def shift_left(x: torch.Tensor, n: int, value: int = 0) -> torch.Tensor:
@@ -130,7 +141,7 @@ def summarize(stats: torch.Tensor | list, weights: list[float]) -> dict[str, Any
     n0 = max(rows[0][2], 1.0)
     acc = [r[1] / r[2] if r[2] else 0.0 for r in rows]
     return {
-        "loss": sum(w * r[0] for w, r in zip(weights, rows)) / n0,
+        "loss": sum(w * r[0] for w, r in zip(weights, rows, strict=True)) / n0,
         "step_loss": [r[0] / r[2] if r[2] else 0.0 for r in rows],
         "acc": acc,
         "tau_sim": tau_sim(acc),
