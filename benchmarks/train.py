@@ -182,15 +182,19 @@ def run_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-    compile_ = variant == "compiled"
+    compile_ = variant.startswith("compiled")
     cuda = dev.type == "cuda"
-    attention = "flex" if cuda else "math"
+    attention = "flex" if cuda and not variant.endswith("math") else "math"
     draft, head = random_setup(shape, dev)
     cfg = TrainConfig(ttt_steps=ttt, token_budget=T, dtype="bf16" if cuda else "fp32", compile=compile_,
                       attention=attention, lr=1e-4, warmup_steps=1)
     trainer = Trainer(cfg, draft, head, DistInfo(device=dev), total_steps=10**6)
     del draft, head
     batches = [random_batch(shape, T, docs, pin=cuda, seed=i) for i in range(2)]
+    if trainer.embed_table is not None:  # what the DataLoader workers add to each batch
+        for b in batches:
+            e = trainer.embed_table.index_select(0, b["input_ids"])
+            b["input_embeds"] = e.pin_memory() if cuda else e
     t0 = time.perf_counter()
     for i in range(warmup):
         trainer.train_step([batches[i % 2]])
@@ -204,11 +208,13 @@ def run_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, 
     sync(dev)
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else float("nan")
+    reserved = torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else float("nan")
     finite = bool(torch.isfinite(stats).all())
     tok_s = T * steps / dt
     flops = draft_flops_per_token(trainer.draft.config, T // docs, ttt) * tok_s
     del trainer, batches
-    return {"tok_s": tok_s, "peak": peak, "tflops": flops / 1e12, "warmup_s": compile_s, "finite": finite}
+    return {"tok_s": tok_s, "peak": peak, "reserved": reserved, "tflops": flops / 1e12, "warmup_s": compile_s,
+            "finite": finite}
 
 
 def main() -> None:
@@ -216,8 +222,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check that the script runs")
     ap.add_argument("--shapes", default="smol,llama8b")
     ap.add_argument("--tokens", default="2048,8192")
-    ap.add_argument("--variants", default="compiled,eager", help="compiled: torch.compile of the layer halves "
-                    "and the loss chunk (+ compiled flex); eager: only flex compiled")
+    ap.add_argument("--variants", default="compiled,eager", help="compiled: torch.compile of the layer halves, "
+                    "final norm and loss chunk (+ compiled flex); eager: only flex compiled; compiled-math: "
+                    "attention with the scores written out (no flex; compare with the peer's SDPA figure)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per case")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ttt", type=int, default=7)
@@ -267,8 +274,9 @@ def main() -> None:
                     r = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
                 r.update(shape=s, tokens=T, variant=v, wall=time.perf_counter() - t)
                 rows.append(r)
-                print(f"  {s} {T} {v}: " + (f"{r['tok_s']:,.0f} tok/s, peak {r['peak']:.1f} GiB, warmup "
-                                            f"{r['warmup_s']:.0f}s" if not r["error"] else r["error"]), flush=True)
+                print(f"  {s} {T} {v}: " + (f"{r['tok_s']:,.0f} tok/s, peak {r['peak']:.2f} GiB allocated "
+                                            f"({r['reserved']:.2f} reserved), warmup {r['warmup_s']:.0f}s"
+                                            if not r["error"] else r["error"]), flush=True)
 
     print()
     hdr = (f"| shape | tokens | variant | tok/s | peak GiB | draft TFLOP/s | MFU | peer tok/s | speed vs peer | "
@@ -279,7 +287,7 @@ def main() -> None:
         if r["error"]:
             print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['error']} | | | | | | | |")
             continue
-        peer = PEER.get((r["shape"], r["tokens"]))
+        peer = (PEER_SDPA if r["variant"].endswith("math") else PEER).get((r["shape"], r["tokens"]))
         mfu = r["tflops"] * 1e12 / ceiling
         if peer:
             speed = r["tok_s"] / peer[0]
@@ -290,7 +298,7 @@ def main() -> None:
             peer_s = speed_s = mem = "-"
             goal = "trains" if r["finite"] else "NaN"
         tf = r["tflops"] if dev.type == "cuda" else r["tflops"] * 1e3
-        print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['tok_s']:,.0f} | {r['peak']:.1f} | "
+        print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['tok_s']:,.0f} | {r['peak']:.2f} | "
               f"{tf:.{0 if dev.type == 'cuda' else 2}f}{'' if dev.type == 'cuda' else ' G'} | {mfu:.0%} | {peer_s} | "
               f"{speed_s} | {mem} | {goal} |")
     print()

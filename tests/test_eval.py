@@ -50,9 +50,10 @@ def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0) -> E
     cfg = DraftConfig.from_target_config(target.config, aux_ids, draft_vocab_size=draft_vocab)
     draft = Eagle3Draft(cfg)
     draft.load_target_embedding(target.get_input_embeddings().weight.detach())
+    counts = torch.zeros(cfg.vocab_size, dtype=torch.long)  # no data: the first ids
     if seqs is not None:
         counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=cfg.vocab_size)
-        draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
+    draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
     return draft.eval()
 
 
@@ -98,12 +99,12 @@ def tiny():
     target = tiny_target()
     aux = [1, 2, 3]
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 64, (8,), generator=g).tolist() for _ in range(12)]
+    prompts = [torch.randint(0, 64, (8,), generator=g).tolist() for _ in range(6)]
     wrapped = HFTarget(target, aux)
     seqs = [p + target_generate(wrapped, p, 40).tokens for p in prompts]
     wrapped.close()
     trained = make_draft(target, aux, 48, seqs)
-    train_draft(trained, capture(target, seqs, aux), steps=150)
+    train_draft(trained, capture(target, seqs, aux), steps=120)
     untrained = make_draft(target, aux, 48, seqs, seed=1)
     return {"target": target, "aux": aux, "prompts": prompts, "trained": trained, "untrained": untrained}
 
@@ -303,9 +304,9 @@ def _png_size(path) -> tuple[int, int]:
 
 
 def test_report_json_markdown_plots_and_compare(tiny, tmp_path):
-    kw = dict(chain=[1, 3], tree=["8:3:3"], max_new_tokens=16, progress=False)
-    good = evaluate_draft(tiny["target"], None, tiny["trained"], tiny["prompts"][:2], **kw)
-    bad = evaluate_draft(tiny["target"], None, tiny["untrained"], tiny["prompts"][:2], **kw)
+    kw = dict(chain=[1, 3], tree=["8:3:3"], max_new_tokens=12, progress=False)
+    good = evaluate_draft(tiny["target"], None, tiny["trained"], tiny["prompts"][:1], **kw)
+    bad = evaluate_draft(tiny["target"], None, tiny["untrained"], tiny["prompts"][:1], **kw)
     write_report(bad, tmp_path / "bad", label="untrained")
     out = write_report(good, tmp_path / "good", label="trained", compare=[("untrained", load_report(tmp_path / "bad"))])
     again = load_report(out / "report.json")
@@ -332,7 +333,8 @@ def test_prompt_sets(tmp_path):
     assert len(he.items) == 164 and he.items[0].turns[0].lstrip().startswith(("def", "from", "import"))
     f = tmp_path / "chats.jsonl"
     rows = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
-                          {"role": "assistant", "content": "a"}, {"role": "user", "content": f"r{i}"}]}
+                          {"role": "assistant", "content": "a"}, {"role": "user", "content": f"r{i}"},
+                          {"role": "assistant", "content": "b"}]}
             for i in range(5)]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     s = chat_file_set(f, max_prompts=2)
@@ -341,6 +343,11 @@ def test_prompt_sets(tmp_path):
     assert [s.name for s in sets] == ["mtbench", "chats"] and sets[0].num_turns == 3
     with pytest.raises(EyasError):
         load_prompt_sets("no-such-set")
+    # MT-Bench's own question.jsonl, named, as on a machine without the MT-Bench package
+    from eyas.assets import mtbench_path
+
+    (named,) = load_prompt_sets(f"mtbench={mtbench_path()}", max_prompts=80)
+    assert named.name == "mtbench" and [(it.id, it.turns) for it in named.items] == [(it.id, it.turns) for it in mt.items]
 
 
 def test_prepared_dataset_slice_cuts_before_first_answer(tmp_path):
@@ -431,3 +438,46 @@ def test_tree_spec_parsing():
 def test_evalresult_rejects_foreign_json():
     with pytest.raises(EyasError):
         EvalResult.from_dict({"format": "something-else"})
+
+
+@pytest.mark.vllm
+def test_vllm_engine_counts_what_the_hf_engine_counts(tmp_path, smollm2_dir):
+    """`--engine vllm` on a tiny target with a draft trained on its answers: vLLM's own acceptance counters
+    give the same steps and accepted-per-position as eyas' chain decoding, and the same greedy text.
+    Runs in the vLLM venv: VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -m vllm tests/test_eval.py"""
+    pytest.importorskip("vllm")
+    from eyas.eval.prompts import PromptItem, PromptSet
+    from eyas.eval.vllm_engine import evaluate_with_vllm
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    pset = PromptSet("mini", [PromptItem("a", ["Write a haiku about the sea.", "Now one about hills."]),
+                              PromptItem("b", ["What is 17 times 23?"])])
+    # a draft that accepts often: trained on the target's greedy answers to these very prompts
+    base = evaluate_draft(model, tok, make_draft(model, [1, 2, 3], 512), pset, chain=[1], max_new_tokens=24,
+                          progress=False)
+    answers = {(r["item"], r["turn"]): r for r in base.records if r["method"] == BASELINE}
+    seqs = []
+    for item in pset.items:
+        msgs = []
+        for t, turn in enumerate(item.turns):
+            msgs.append({"role": "user", "content": turn})
+            seqs.append(render_prompt(tok, msgs) + answers[(item.id, t)]["answer_ids"])
+            msgs.append({"role": "assistant", "content": answers[(item.id, t)]["answer"]})
+    draft = make_draft(model, [1, 2, 3], 512, seqs)
+    train_draft(draft, capture(model, seqs, [1, 2, 3]), steps=150)
+    draft.config.target = str(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    mine = evaluate_draft(model, tok, draft, pset, chain=[3], max_new_tokens=24, progress=False).table()["all"]
+    theirs = evaluate_with_vllm(str(tmp_path / "target"), str(tmp_path / "draft"), [pset], [3], 0.0, 1.0, 24,
+                                log=lambda s: None).table()["all"]
+    assert theirs["chain-3"]["identical_to_target"] == 1.0
+    assert theirs[BASELINE]["new_tokens"] == mine[BASELINE]["new_tokens"]
+    assert theirs["chain-3"]["accept_hist"] == mine["chain-3"]["accept_hist"], (theirs["chain-3"], mine["chain-3"])
+    assert mine["chain-3"]["tau"] > 2.0

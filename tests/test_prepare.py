@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -149,12 +148,21 @@ def test_show_highlights_exactly_the_trained_tokens(tmp_path, chat_file, tok):
     assert "⟦" not in buf.getvalue() and "\x1b[" in buf.getvalue()
 
 
-def test_cli_exit_code_and_show(tmp_path, chat_file):
-    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "200", "EYAS_NO_PROGRESS": "1", "HOME": str(Path.home())}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "eyas.cli", "prepare", *a], capture_output=True,  # noqa: E731
-                                    text=True, timeout=120, env=env)  # fmt: skip
-    bad = run(str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "x"))
-    assert bad.returncode == 2 and "not found" in bad.stderr and not (tmp_path / "x").exists()
-    ok = run(str(chat_file), "--out", str(tmp_path / "p"), "--max-length", "512", "--show", "1", "--num-workers", "1")
-    assert ok.returncode == 0, ok.stderr
-    assert "⟦It is 0. <|im_end|>⟧" in ok.stdout and "37" in ok.stderr and "not_json" in ok.stderr
+def test_cli_exit_code_and_show(tmp_path, chat_file, monkeypatch, capsys):
+    """The real `eyas` entry point, in-process: exit code 2 on an unreadable input, --show after a run."""
+    from eyas.cli import main
+
+    def eyas(*args: str) -> int:
+        monkeypatch.setattr(sys, "argv", ["eyas", "prepare", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        return e.value.code
+
+    assert eyas(str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "x")) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and "nope.jsonl" in err and not (tmp_path / "x").exists()
+    assert eyas(str(chat_file), "--out", str(tmp_path / "p"), "--max-length", "512", "--show", "1") == 0
+    out, err = capsys.readouterr()
+    assert "⟦It is 0. <|im_end|>⟧" in out and "37" in err and "not_json" in err
+    assert eyas("--out", str(tmp_path / "p"), "--show", "1") == 0  # look again without inputs: no rebuild
+    assert "⟦It is 0. <|im_end|>⟧" in capsys.readouterr().out

@@ -110,6 +110,17 @@ def test_offline_and_online_give_the_same_loss(data):
             l_rnd, s_rnd = trainer.forward_batch(rounded)  # the same states as the store keeps them
         assert abs(l_on - l_off) / l_off < 1e-2 and (s_on[:, 2] - s_off[:, 2]).abs().max() <= 2
         assert abs(l_rnd - l_off) / l_off < 1e-5 and torch.equal(s_rnd[:, 2], s_off[:, 2])
+    # the frozen embedding kept on the host (the GPU default): rows looked up by the data pipeline
+    draft2 = Eagle3Draft(dcfg)
+    draft2.load_state_dict(trainer.draft_state())
+    off_host = Trainer(TrainConfig(ttt_steps=3, offload_embedding=True), draft2, head, DistInfo(), 10)
+    assert off_host.draft.embed_tokens is None and off_host.embed_table.shape == (64, 32)
+    batch = PackDataset(SampleSource(store, "store"), packs, 256, None, True, off_host.embed_table)[0]
+    with torch.no_grad():
+        l_ref, _ = trainer.forward_batch({k: v for k, v in batch.items() if k != "input_embeds"})
+        l_host, _ = off_host.forward_batch(batch)
+    assert abs(l_host - l_ref) / l_ref < 1e-6
+    assert torch.equal(off_host.draft_state()["embed_tokens.weight"], head.embed_tokens.float())
 
 
 def test_tiny_draft_learns_tiny_target(data, tmp_path):
@@ -135,9 +146,11 @@ def test_tiny_draft_learns_tiny_target(data, tmp_path):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):
     """A run stopped after step 5 (last checkpoint at 4) and resumed logs exactly the losses of a
-    run that was never stopped, and ends with the same weights. bf16 runs the master-weight path."""
+    run that was never stopped, and ends with the same weights. bf16 runs the master-weight path
+    with the embedding table on the host, as on a GPU."""
     _, _, store = data
-    kw = dict(max_steps=9, save_every=4, dtype=dtype, num_workers=1, grad_accum=2)
+    kw = dict(max_steps=9, save_every=4, dtype=dtype, num_workers=1, grad_accum=2,
+              offload_embedding=dtype == "bf16")  # the GPU defaults: bf16 master weights, table on the host
     train(tmp_path / "full", store, **kw)
     stopped = train(tmp_path / "cut", store, stop_after=5, **kw)
     assert stopped["stopped_at"] == 5 and len(metrics(tmp_path / "cut")) == 5

@@ -100,6 +100,8 @@ def _conversation_turns(record: Any) -> tuple[list[str], str | None]:
     """User turns and system prompt of one chat record (OpenAI `messages` or ShareGPT `conversations`)."""
     if not isinstance(record, dict):
         return [], None
+    if isinstance(record.get("turns"), list):  # MT-Bench's question.jsonl: {"question_id", "turns": [str, ...]}
+        return [t for t in record["turns"] if isinstance(t, str) and t.strip()], None
     msgs = record.get("messages") or record.get("conversations") or record.get("conversation") or []
     users, system = [], None
     for m in msgs if isinstance(msgs, list) else []:
@@ -149,13 +151,14 @@ def _read_records(path: Path) -> list[Any]:
 def chat_file_set(path: Path, max_prompts: int | None = None, max_turns: int = 2, name: str | None = None) -> PromptSet:
     """The LAST conversations of a chat file that `prepare` reads (ShareGPT or OpenAI messages)."""
     records = _load_with_readers(path)
-    if records is None:
+    if not records:  # no reader, or records it does not take (MT-Bench's question.jsonl)
         records = _read_records(path)
     items = []
     for i, rec in enumerate(records):
         users, system = _conversation_turns(rec)
         if users:
-            items.append(PromptItem(str(rec.get("id", i)) if isinstance(rec, dict) else str(i), users[:max_turns], system))
+            rid = rec.get("question_id", rec.get("id", i)) if isinstance(rec, dict) else i
+            items.append(PromptItem(str(rid), users[:max_turns], system))
     if not items:
         raise EyasError(f"{path}: no conversation with a user turn found (expected ShareGPT `conversations` or "
                         "OpenAI-style `messages` records, as `eyas prepare` reads)")
@@ -170,13 +173,30 @@ def _load_with_readers(path: Path) -> list[Any] | None:
         from eyas.data.readers import read_conversations
     except ImportError:
         return None
-    return [{"messages": msgs} for msgs in read_conversations(str(path))]
+    try:
+        return [{"messages": msgs} for msgs in read_conversations(str(path))]
+    except EyasError:
+        return None
 
 
 def load_prompt_sets(spec: str, max_prompts: int | None = None, max_turns: int = 2) -> list[PromptSet]:
-    """'mtbench,humaneval,path/to/file_or_prepared_dir' -> prompt sets."""
+    """'mtbench,humaneval,path/to/file_or_prepared_dir,name=path' -> prompt sets.
+
+    `name=path` names a file's set, e.g. `mtbench=question.jsonl` on a machine without the MT-Bench
+    package (MT-Bench's own question.jsonl is read as it is: both turns of every question).
+    """
     sets = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        name = None
+        if "=" in part:
+            name, part = (x.strip() for x in part.split("=", 1))
+            path = Path(part).expanduser()
+            if not path.exists():
+                raise EyasError(f"--prompts {name}={part}: {part} does not exist")
+            sets.append(prepared_set(path, max_prompts) if (path / "manifest.json").is_file()
+                        else chat_file_set(path, max_prompts, max_turns, name=name))
+            sets[-1].name = name
+            continue
         key = part.lower()
         if key == "mtbench":
             sets.append(mtbench_set(max_prompts, max_turns))

@@ -38,7 +38,8 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
     meta = result.meta
     table = result.table()
     lines = [f"# eyas eval: {label}", ""]
-    lines.append(f"target `{meta.get('target', '')}`, draft `{meta.get('draft', '')}`, temperature "
+    who = "".join(f"{k} `{meta[k]}`, " for k in ("target", "draft") if meta.get(k))
+    lines.append(f"{who}temperature "
                  f"{meta.get('temperature')}, top-p {meta.get('top_p')}, max new tokens {meta.get('max_new_tokens')}, "
                  f"{meta.get('device')} {meta.get('gpu') or ''} {meta.get('dtype')}, engine {meta.get('engine', 'hf')}.")
     lines += ["", "tau counts the bonus token (EAGLE's acceptance length; vLLM's mean acceptance length). "
@@ -115,7 +116,10 @@ def plot_acceptance_by_position(result: EvalResult, path: Path, label: str, comp
             xs = list(range(1, len(s["accept_rate_by_pos"]) + 1))
             tag = f"{m} ({run_label})" if compare else m
             axes[0].plot(xs, s["accept_rate_by_pos"], style, marker="o", color=colors[m], label=tag)
-            cond = [c if c is not None else float("nan") for c in s["accept_cond_by_pos"]]
+            # a conditional rate over a handful of steps is noise: drawn only with >= 5 steps behind it
+            reach = [sum(s["accept_hist"][j:]) for j in range(len(s["accept_hist"]))]
+            cond = [c if c is not None and reach[j] >= 5 else float("nan")
+                    for j, c in enumerate(s["accept_cond_by_pos"])]
             axes[1].plot(xs, cond, style, marker="o", color=colors[m], label=tag)
     axes[0].set_title("Steps accepting at least j draft tokens")
     axes[1].set_title("Acceptance at position j, given j-1 accepted")
@@ -215,6 +219,12 @@ def write_report(result: EvalResult, out_dir: str | Path, label: str = "this run
         data.update(extra)
     atomic_write_json(out / "report.json", data)
     atomic_write_text(out / "report.md", markdown_summary(result, label, compare))
+    try:
+        _plt()
+    except ImportError:  # matplotlib is a dependency, but an engine's own venv may lack it: JSON + Markdown still
+        atomic_write_text(out / "report.md", markdown_summary(result, label, compare)
+                          + "\n(no plots: matplotlib is not installed in this environment)\n")
+        return out
     for name, fn in (("acceptance_by_position.png", plot_acceptance_by_position),
                      ("tau_by_prompt_set.png", plot_tau_by_prompt_set), ("tau_vs_k.png", plot_tau_vs_k)):
         with atomic_path(out / name) as tmp:

@@ -126,18 +126,24 @@ def evaluate_draft(
     progress: bool | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     done: dict[tuple, dict[str, Any]] | None = None,
+    stop_ids: set[int] | None = None,
 ) -> EvalResult:
     """Speculative decoding of every prompt with each method (chains of K, trees), and the target alone.
 
     target_model: a transformers causal LM (its dtype and device are used as they are).
     prompts: prompt sets, plain user messages, or token-id lists.
     done / on_record: resume support; `done` maps (set, item, turn, method) to stored records.
+    stop_ids: end-of-sequence ids; None takes them from the tokenizer and the model's configs, an empty
+    set always generates max_new_tokens (like vLLM's ignore_eos).
     """
     check_draft_fits(draft, target_model)
+    device = next(target_model.parameters()).device
+    if draft.fc.weight.device != device:
+        draft.to(device)
     methods = _methods(chain, tree)
     sets = _as_sets(prompts)
     target = HFTarget(target_model, list(draft.config.aux_layer_ids))
-    stops = stop_token_ids(target_model, tokenizer)
+    stops = stop_token_ids(target_model, tokenizer) if stop_ids is None else set(stop_ids)
     decoder = SpeculativeDecoder(target, draft, stops)
     dev = target.device
     greedy = temperature <= 0
@@ -234,14 +240,15 @@ def evaluate_draft(
 @torch.inference_mode()
 def greedy_acceptance(target_model: torch.nn.Module, tokenizer: Any, draft: Eagle3Draft,
                       prompts: PromptSet | Sequence[PromptSet] | Sequence[str] | Sequence[Sequence[int]],
-                      k: int = 3, max_new_tokens: int = 64) -> dict[str, Any]:
+                      k: int = 3, max_new_tokens: int = 64, ignore_eos: bool = False) -> dict[str, Any]:
     """Greedy chain-of-K acceptance in vLLM's counters, to compare with what vLLM reports for the same draft.
 
     Returns num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos [K] (steps that
     accepted position j, vLLM's `num_accepted_tokens_per_pos`), mean_acceptance_length (= tau).
     """
     res = evaluate_draft(target_model, tokenizer, draft, prompts, chain=[k], tree=(), temperature=0.0,
-                         max_new_tokens=max_new_tokens, baseline=False, warmup=False, progress=False)
+                         max_new_tokens=max_new_tokens, baseline=False, warmup=False, progress=False,
+                         stop_ids=set() if ignore_eos else None)
     s = res.overall()[ChainSpec(k).name]
     n = s.steps
     return {"num_drafts": n, "num_draft_tokens": n * k, "num_accepted_tokens": s.accepted,

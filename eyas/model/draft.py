@@ -172,10 +172,12 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
+                attend: Attend, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step. input_ids [B, T], hidden [B, T, H] -> the draft's hidden output [B, T, H]
-        (pre-norm: it is both fed to the next step and turned into logits by `logits`)."""
-        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        (pre-norm: it is both fed to the next step and turned into logits by `logits`).
+        `inputs_embeds` [B, T, H], when given, replaces the embedding lookup (a trainer that keeps
+        the frozen table on the host)."""
+        emb = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
         cos, sin = self.rotary(position_ids, hidden.dtype)
         for layer in self.layers:
             hidden = layer(emb, hidden, cos, sin, attend)

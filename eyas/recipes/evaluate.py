@@ -48,6 +48,8 @@ def parse_trees(text: str | None) -> list[Any]:
 def _fingerprint(path: Path) -> str:
     if path.is_file():
         return sha256_file(path)
+    if (path / "manifest.json").is_file() and not (path / "model.safetensors").is_file():
+        return sha256_file(path / "manifest.json")  # a prepared dataset: its manifest pins its content
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin", ".pt"))
     return sha256_json({p.name: sha256_file(p) for p in files})
 
@@ -74,9 +76,12 @@ def _pick_dtype(dtype: str, device: Any) -> Any:
 
 def load_draft(draft: str, target_path: str, target_model: Any, device: Any, dtype: Any) -> Any:
     """A draft folder in any layout eyas imports, or `random` (an untrained draft: the 'before training' mark)."""
+    import torch
+
     from eyas.engines.base import default_aux_layer_ids
     from eyas.model.config import DraftConfig
     from eyas.model.draft import Eagle3Draft
+    from eyas.model.vocab import build_draft_vocab
 
     if draft == "random":
         cfg = target_model.config
@@ -84,6 +89,7 @@ def load_draft(draft: str, target_path: str, target_model: Any, device: Any, dty
         dcfg = DraftConfig.from_target_config(cfg, default_aux_layer_ids(n), target=target_path)
         model = Eagle3Draft(dcfg)
         model.load_target_embedding(target_model.get_input_embeddings().weight.detach().float().cpu())
+        model.set_vocab(*build_draft_vocab(torch.zeros(dcfg.vocab_size, dtype=torch.long), dcfg.draft_vocab_size))
         return model.to(device=device, dtype=dtype)
     path = Path(draft)
     if not path.is_dir():
@@ -120,7 +126,7 @@ def run_eval(draft: str, model: str = "smollm2", prompts: str = "mtbench", chain
     target_path = resolve_model(model)
     compared = [(_compare_label(p), load_report(p)) for p in (compare or [])]
     options = {"draft": draft if draft == "random" else _fingerprint(Path(draft)), "model": target_path,
-               "prompts": prompts, "prompt_files": {p: _fingerprint(Path(p)) for p in prompts.split(",") if Path(p).exists()},
+               "prompts": prompts, "prompt_files": _prompt_fingerprints(prompts),
                "chain": chains, "tree": [t.name for t in trees], "temperature": temperature, "top_p": top_p,
                "max_new_tokens": max_new_tokens, "max_prompts": max_prompts, "max_turns": max_turns, "engine": engine,
                "device": device, "dtype": dtype, "seed": seed, "baseline": baseline, "format": "eyas.eval/1"}
@@ -168,6 +174,15 @@ def run_eval(draft: str, model: str = "smollm2", prompts: str = "mtbench", chain
         out.with_name(out.name + PARTIAL_SUFFIX).unlink(missing_ok=True)
     log(markdown_summary(result, label, compared))
     log(f"wrote {out}/report.json, report.md and plots")
+    return out
+
+
+def _prompt_fingerprints(prompts: str) -> dict[str, str]:
+    out = {}
+    for part in prompts.split(","):
+        path = Path(part.split("=", 1)[-1].strip()).expanduser()
+        if part.strip() and path.exists():
+            out[part.strip()] = _fingerprint(path)
     return out
 
 
@@ -231,11 +246,13 @@ def cli(
                               "HF id. Default: smollm2."),
     prompts: str = typer.Option("mtbench", "--prompts", help="Comma-separated prompt sets: mtbench (80 questions, both "
                                 "turns), humaneval, sharegpt, dummy, a chat file `prepare` reads, or a prepared dataset "
-                                "folder (its last samples). Default: mtbench."),
+                                "folder (its last samples); NAME=PATH names a file's set, e.g. mtbench=question.jsonl. "
+                                "Default: mtbench."),
     chain: str = typer.Option("3,5,7", "--chain", help="Chain lengths K to measure, comma-separated; `none` for no "
                               "chain. Default: 3,5,7."),
-    tree: str = typer.Option("60:7:10", "--tree", help="EAGLE-2 dynamic trees TOTAL:DEPTH:TOPK, comma-separated; "
-                             "`none` for no tree. Default: 60:7:10."),
+    tree: str = typer.Option("60:7:10", "--tree", help="EAGLE-2 dynamic trees TOTAL:DEPTH:TOPK, comma-separated: TOTAL "
+                             "draft tokens verified in one target forward (plus the root), DEPTH draft steps (the "
+                             "longest path), TOPK children per expanded node; `none` for no tree. Default: 60:7:10."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples with lossless rejection "
                                       "sampling. Default: 0."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling for temperature > 0. Default: 1.0."),

@@ -83,7 +83,9 @@ def run_train(
         manifest = st.manifest
         lengths = st.lengths
         source_id = {"store": manifest.get("options_sha256"), "num_tokens": manifest["num_tokens"]}
-        target_name = model or manifest["target"]
+        from eyas.assets import resolve_model
+
+        target_name = resolve_model(model) if model else manifest["target"]
         aux_ids = list(manifest["aux_layer_ids"])
         head = st.target_head()
         target_cfg = _target_config(target_name)
@@ -170,7 +172,8 @@ def run_train(
         f"{trainer.mode} on {info.device}")
     batches = iterate_batches(source, plan, info.rank, progress["epoch"], progress["step_in_epoch"],
                               num_workers=cfg.num_workers, pin=info.device.type == "cuda",
-                              pad_to=budget if info.device.type == "cuda" else None, states=eng is None)
+                              pad_to=budget if info.device.type == "cuda" else None, states=eng is None,
+                              embed_table=trainer.embed_table)
     t0 = time.perf_counter()
     try:
         last = run_loop(trainer, batches, out, total, max(steps_per_epoch, 1), progress, metrics, engine=eng,

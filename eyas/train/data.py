@@ -120,8 +120,9 @@ class PackDataset(Dataset):
     """Item k = the packed row of `packs[k]`: a dict of tensors (see `collate_pack`)."""
 
     def __init__(self, source: SampleSource | Any, packs: list[np.ndarray], budget: int, pad_to: int | None,
-                 states: bool) -> None:
+                 states: bool, embed_table: torch.Tensor | None = None) -> None:
         self.source, self.packs, self.budget, self.pad_to, self.states = source, packs, budget, pad_to, states
+        self.embed_table = embed_table  # shared with forked workers, never copied
 
     def __len__(self) -> int:
         return len(self.packs)
@@ -129,8 +130,10 @@ class PackDataset(Dataset):
     def __getitem__(self, k: int) -> dict[str, Any]:
         ds = self.source.ds if isinstance(self.source, SampleSource) else self.source
         samples = [ds[int(i)] for i in self.packs[k]]
-        return collate_pack(samples, self.budget, self.pad_to, self.states,
-                            [int(i) for i in self.packs[k]])
+        out = collate_pack(samples, self.budget, self.pad_to, self.states, [int(i) for i in self.packs[k]])
+        if self.embed_table is not None:
+            out["input_embeds"] = self.embed_table.index_select(0, out["input_ids"])  # [N, H]
+        return out
 
 
 def collate_pack(samples: list[dict[str, torch.Tensor]], budget: int, pad_to: int | None, states: bool,
@@ -194,7 +197,8 @@ def fill_states(batch: dict[str, Any], engine: Any) -> dict[str, Any]:
 
 def iterate_batches(source: SampleSource | Any, plan: Plan, rank: int, start_epoch: int, start_step: int,
                     num_workers: int = 2, pin: bool = False, pad_to: int | None = None, states: bool = True,
-                    epochs: int | None = None) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
+                    epochs: int | None = None, embed_table: torch.Tensor | None = None
+                    ) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
     """Yield (epoch, step in epoch, micro-batches of one optimizer step) from (start_epoch,
     start_step) on, forever or for `epochs` epochs; workers prefetch a few packs ahead."""
     A = plan.grad_accum
@@ -205,7 +209,7 @@ def iterate_batches(source: SampleSource | Any, plan: Plan, rank: int, start_epo
             raise EyasError(f"an epoch has {len(plan.packs(epoch))} packs of {plan.budget} tokens, fewer than one "
                             f"optimizer step needs ({plan.world} rank(s) x {A} accumulation): lower "
                             "--token-budget or --grad-accum, or use more data")
-        ds = PackDataset(source, packs[step * A:], plan.budget, pad_to, states)
+        ds = PackDataset(source, packs[step * A:], plan.budget, pad_to, states, embed_table)
         loader = DataLoader(ds, batch_size=None, shuffle=False, num_workers=num_workers, pin_memory=pin,
                             prefetch_factor=4 if num_workers else None)
         micro: list[dict[str, Any]] = []

@@ -178,8 +178,9 @@ class _FusedDraftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, grad_stats: torch.Tensor):
         grad_w, *grads_h = ctx.saved_tensors
-        gw = (grad_w * grad_loss).to(ctx.weight_dtype)
-        ghs = [g * grad_loss.to(g.dtype) for g in grads_h]
+        # in place: a second [V_d, H] buffer here would sit on top of the backward's peak
+        gw = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
+        ghs = [g.mul_(grad_loss.to(g.dtype)) for g in grads_h]
         return (gw, None, None, None, None, None, *ghs)
 
 

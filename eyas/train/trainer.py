@@ -64,6 +64,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     attention: str = "auto"  # auto (flex on GPU) | flex | math
     compile: bool | None = None  # None = on for CUDA without FSDP
+    offload_embedding: bool | None = None  # frozen embedding table on the host; None = on for CUDA
     fsdp: bool = False
     num_workers: int = 2
     report_to: str = "auto"  # auto | tensorboard | wandb | none
@@ -142,6 +143,13 @@ class Trainer:
 
         if self.mode == "master":
             draft = draft.to(self.dtype)  # before the move: half the bytes to copy
+        # The frozen embedding table (1 GB for a 128k vocabulary) never needs the device: batches
+        # bring their rows (eyas.train.data looks them up in the DataLoader workers).
+        self.offload = dev.type == "cuda" if cfg.offload_embedding is None else cfg.offload_embedding
+        self.embed_table: torch.Tensor | None = None
+        if self.offload:
+            self.embed_table = draft.embed_tokens.weight.detach().cpu().contiguous()  # [V, H]
+            draft.embed_tokens = None
         draft = draft.to(dev)
         self.draft = draft
         ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention, compile=compile_)
@@ -196,9 +204,16 @@ class Trainer:
             tgt = target_distribution(self.head, final, self.vocab_ids, self.t2d_index,
                                       pad_rows=self.cfg.ttt_steps + 1, dtype=self.dtype)
         docs = b["document_ids"][None] if b["multi_doc"] else None
+        emb = None
+        if self.embed_table is not None:
+            emb = b.get("input_embeds")
+            if emb is None:  # not looked up by the data pipeline (online mode, benchmarks)
+                emb = self.embed_table.index_select(0, batch["input_ids"].cpu())
+                emb = (emb.pin_memory() if self.device.type == "cuda" else emb).to(self.device, non_blocking=True)
+            emb = emb[None].to(self.dtype)
         with self.autocast():
             return self.model(b["input_ids"][None], b["aux_hidden"][None].to(self.dtype), b["position_ids"][None],
-                              b["loss_mask"][None], tgt.probs, tgt.ids, docs)
+                              b["loss_mask"][None], tgt.probs, tgt.ids, docs, emb)
 
     def train_step(self, micro: list[dict[str, Any]]) -> torch.Tensor:
         """One optimizer step; returns this step's stats [S, 3] summed over ranks (device tensor)."""
@@ -242,8 +257,13 @@ class Trainer:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return {k.removeprefix("draft."): v for k, v in sd.items()}
+            state = {k.removeprefix("draft."): v for k, v in sd.items()}
+            if self.embed_table is not None and state:
+                state["embed_tokens.weight"] = self.embed_table
+            return state
         state = {k: v.detach().cpu() for k, v in self.draft.state_dict().items()}
+        if self.embed_table is not None:
+            state["embed_tokens.weight"] = self.embed_table
         if self.master is not None:
             names = {id(p): n for n, p in self.draft.named_parameters()}
             for p, m in zip(self.master.params, self.master.master, strict=True):
@@ -259,6 +279,8 @@ class Trainer:
         return self.opt.state_dict()
 
     def load_states(self, draft_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        if self.embed_table is not None:  # frozen: the table from the target is already the one
+            draft_state = {k: v for k, v in draft_state.items() if k != "embed_tokens.weight"}
         check_state_dict(self.draft, draft_state, "checkpoint")
         if self.mode == "fsdp":
             from torch.distributed.checkpoint.state_dict import (

@@ -104,11 +104,13 @@ class TTTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
                 loss_mask: torch.Tensor, target_probs: torch.Tensor, target_ids: torch.Tensor,
-                document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                document_ids: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids, loss_mask [B, T]; aux_hidden [B, T, k*H_t]; target_probs
         [B*T + pad, V_d] and target_ids [B*T + pad] (TargetDist, pad >= steps); document_ids [B, T]
         with ids unique across rows, or None (one document per row; padding at the end of a row
-        needs no id of its own: causal attention never looks forward).
+        needs no id of its own: causal attention never looks forward); input_embeds [B, T, H]: the
+        frozen embeddings of input_ids, when the trainer keeps the table off the device.
 
         Returns (loss: step-weighted CE summed over valid rows, fp32 scalar; stats [steps, 3] fp32:
         per step CE sum, correct count, valid count)."""
@@ -124,7 +126,8 @@ class TTTModel(nn.Module):
         hidden = draft.fuse(aux_hidden)  # [B, T, H]
         outs = []
         for j in range(S):
-            hidden = draft(shift_left(input_ids, 1 + j), hidden, position_ids + j, attend)  # [B, T, H]
+            emb = None if input_embeds is None else F.pad(input_embeds[:, 1 + j:], (0, 0, 0, 1 + j))
+            hidden = draft(shift_left(input_ids, 1 + j), hidden, position_ids + j, attend, emb)  # [B, T, H]
             outs.append(draft.norm(hidden).reshape(B * T, -1))
         target = TargetDist(target_probs, target_ids)
         if self.cfg.fused_loss:
