@@ -182,7 +182,7 @@ def test_tree_verify_equals_each_path_run_alone(tiny):
             path.append(j)
             j = int(parent_all[j])
         path = path[::-1]
-        cache_keep(cache, torch.cat([torch.arange(n + 1), n + torch.tensor(path)]))
+        cache_keep(cache, n + 1, n + torch.tensor(path))
         assert cache.get_seq_length() == n + 1 + len(path)
         nxt = 7
         step_logits, _ = wrapped.forward(torch.tensor([[nxt]]), torch.tensor([[n + 1 + len(path)]]), cache)

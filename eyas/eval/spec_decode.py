@@ -312,7 +312,7 @@ class SpeculativeDecoder:
                 accepted = len(path_l)
                 new_host = [host[1][i] for i in path_l]
                 path = torch.tensor(path_l, dtype=torch.long, device=dev)
-                cache_keep(cache, torch.cat([torch.arange(L + 1, device=dev), L + path]))
+                cache_keep(cache, L + 1, L + path)  # the prefix, the root, the accepted path
                 new_tokens = tree_ids[path]
             gen.target_forwards += 1
             gen.accepted.append(accepted)

@@ -121,11 +121,16 @@ def cache_crop(cache: DynamicCache, length: int) -> None:
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
-def cache_keep(cache: DynamicCache, index: torch.Tensor) -> None:
-    """Keep cached positions `index` (1-D, ascending): the prefix plus the accepted tree path."""
+def cache_keep(cache: DynamicCache, prefix: int, tail: torch.Tensor) -> None:
+    """Keep the first `prefix` cached positions and then positions `tail` (1-D, ascending, all >= prefix):
+    the accepted path of a tree. Only the tail moves; the prefix is not copied."""
+    n = tail.numel()
     for layer in _layer_tensors(cache):
         if layer.keys is not None and layer.keys.numel():
-            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[..., prefix:prefix + n, :] = t.index_select(-2, tail)  # gathered first: sources never overwritten
+                setattr(layer, name, t[..., :prefix + n, :])
 
 
 def stop_token_ids(model: nn.Module, tokenizer: Any | None) -> set[int]:
