@@ -42,6 +42,19 @@ THINK_TEMPLATE = """
 {%- endif -%}
 """
 
+# DeepSeek-R1-like: reasoning is stripped from every turn, the generation prompt opens a <think> block,
+# so the prompt is not a prefix of the rendered conversation.
+R1_TEMPLATE = """
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{{ '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip() + '<|im_end|>\\n' }}
+{%- else -%}
+{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}
+"""
+
 # Plain-text turns, no special end-of-turn token, and <think> stripped from history.
 PLAIN_TEMPLATE = """
 {%- for m in messages -%}
@@ -155,6 +168,13 @@ def test_think_template_adds_an_empty_block_to_the_last_turn(tok):
     # with thinking off, the empty block is part of the prompt: the model only produces the answer
     off = ChatEncoder(tok, chat_template=THINK_TEMPLATE, template_kwargs={"enable_thinking": False}).encode(conv)
     assert trained_runs(tok, *_ids_mask(off)) == ["a1" + EOT, "a2" + EOT]
+
+
+def test_generation_prompt_that_opens_think_is_not_a_prefix(tok):
+    conv = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>\nr1\n</think>\n\na1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]  # fmt: skip
+    runs = trained_runs(tok, *_ids_mask(ChatEncoder(tok, chat_template=R1_TEMPLATE).encode(conv)))
+    assert runs == ["a1" + EOT, "a2" + EOT]
 
 
 def test_template_without_special_end_token(tok):

@@ -13,6 +13,7 @@ no output. A second run with the same inputs and options reuses the output.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from collections import deque
@@ -350,15 +351,23 @@ def cli(
     show: int = typer.Option(0, help="Then print this many samples with the trained tokens highlighted."),
     chat_template: Path = typer.Option(None, help="A Jinja chat template file to use instead of the model's.",
                                        show_default="the model's own"),
+    template_kwargs: str = typer.Option(None, help='JSON object of chat template variables, e.g. '
+                                        '\'{"enable_thinking": false}\'.', show_default="none"),
     force: bool = typer.Option(False, "--force", help="Rebuild even if the output is up to date."),
 ) -> None:
     inputs = list(inputs or [])
+    try:
+        kwargs = json.loads(template_kwargs) if template_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise EyasError(f"--template-kwargs is not valid JSON ({e.msg}): {template_kwargs}") from e
+    if not isinstance(kwargs, dict):
+        raise EyasError(f"--template-kwargs must be a JSON object, not {template_kwargs}")
     if not inputs and show and (Path(out) / "manifest.json").is_file():
         path = Path(out)  # just look at an existing output
     else:
         path = prepare(PrepareConfig(inputs=inputs, model=model, out=out, max_length=max_length, overlong=overlong,
                                      max_samples=max_samples, num_workers=num_workers, chat_template=chat_template,
-                                     force=force))  # fmt: skip
+                                     template_kwargs=kwargs, force=force))  # fmt: skip
     if show:
         manifest = read_json(path / "manifest.json")
         tokenizer, _ = load_tokenizer(manifest["tokenizer"])

@@ -175,7 +175,7 @@ def run_pipeline(cfg: dict[str, Any], config_path: Path, force: set[str] = froze
 
 def _overall_tau(report: Path) -> dict[str, float]:
     data = read_json(report)
-    return {m: float(v.get("tau", float("nan"))) for m, v in data["results"]["all"].items() if "tau" in v}
+    return {m: float(v["tau"]) for m, v in data["results"]["all"].items() if v.get("tau") is not None}
 
 
 def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> dict[str, Any]:
