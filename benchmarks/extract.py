@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import matmul_ceiling, sync  # noqa: E402
+
 from eyas.data.prepared import PreparedWriter  # noqa: E402
 from eyas.engines.base import plan_batches  # noqa: E402
 from eyas.engines.hf import HFEngine  # noqa: E402
@@ -45,23 +47,7 @@ SHAPES = {
 }
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
-
-def matmul_ceiling(dev: torch.device, n: int, reps: int) -> float:
-    """bf16 GEMM TFLOP/s at n x n x n: what the device can do at best."""
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    sync(dev)
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(dev)
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
 
 
 def build_model(shape: str, dev: torch.device):
@@ -187,12 +173,12 @@ def main() -> None:
         dev = torch.device("cpu")
         torch.set_num_threads(1)  # steadier figures on a shared CPU
         args.shapes, args.seq_len, args.samples = "tiny", 64, args.samples or 24
-        ceiling = matmul_ceiling(dev, 256, 5)
+        ceiling = matmul_ceiling(dev, 256, 5) / 1e12
     else:
         if not torch.cuda.is_available():
             sys.exit("no GPU: run with --smoke on a CPU")
         dev = torch.device("cuda", 0)
-        ceiling = matmul_ceiling(dev, 8192, 100)
+        ceiling = matmul_ceiling(dev, 8192, 100) / 1e12
     work = Path(tempfile.mkdtemp(prefix="eyas-bench-", dir=args.work_dir))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"# device: {name}; torch {torch.__version__}; seq_len {args.seq_len}; bf16 matmul ceiling "

@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import matmul_ceiling, sync  # noqa: E402
+
 from eyas.engines.head import TargetHead  # noqa: E402
 from eyas.model.config import DraftConfig  # noqa: E402
 from eyas.model.draft import Eagle3Draft  # noqa: E402
@@ -83,22 +85,7 @@ def draft_flops_per_token(cfg: DraftConfig, T: int, steps: int) -> float:
     return 3 * (steps * proj + attn) + 2 * fc
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
-
-def matmul_ceiling(dev: torch.device, n: int, dtype: torch.dtype, iters: int) -> float:
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(dev)
-    t = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    sync(dev)
-    return 2 * n**3 * iters / (time.perf_counter() - t)
 
 
 def random_setup(shape: Shape, dev: torch.device, seed: int = 0) -> tuple[Eagle3Draft, TargetHead]:
@@ -247,7 +234,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"device: {name}; torch {torch.__version__}; TTT {args.ttt}; {args.docs} document(s) per row")
     if dev.type == "cuda":
-        ceiling = matmul_ceiling(dev, 8192, torch.bfloat16, 50)
+        ceiling = matmul_ceiling(dev, 8192, 50, torch.bfloat16)
         print(f"bf16 matmul ceiling (8192^3): {ceiling / 1e12:.0f} TFLOP/s")
         if not args.no_check:
             try:
@@ -256,7 +243,7 @@ def main() -> None:
             except Exception:
                 print("flex vs math check FAILED to run:\n" + traceback.format_exc())
     else:
-        ceiling = matmul_ceiling(dev, 1024, torch.float32, 5)
+        ceiling = matmul_ceiling(dev, 1024, 5, torch.float32)
         print(f"fp32 matmul ceiling (1024^3, CPU): {ceiling / 1e9:.1f} GFLOP/s")
 
     rows = []

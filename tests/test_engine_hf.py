@@ -11,14 +11,9 @@ from eyas.engines import load_engine, plan_batches
 from eyas.engines.hf import HFEngine
 from eyas.utils.io import EyasError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The CPU is shared: two spinning OpenMP threads per process slow tiny matmuls 50x under load."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

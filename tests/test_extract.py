@@ -19,16 +19,12 @@ from eyas.recipes.extract import run_extract
 from eyas.store import HiddenStore, partial_dir
 from eyas.utils.io import EyasError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SHARD_MB = 0.02  # ~80 tokens per shard: several shards, several batches per shard
 OPTS = dict(dtype="float32", device="cpu", token_budget=64, shard_mb=SHARD_MB)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

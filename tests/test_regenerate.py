@@ -14,13 +14,9 @@ from eyas.data.readers import read_conversations
 from eyas.recipes.regenerate import Sampling, run_regenerate
 from eyas.utils.io import EyasError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,9 @@ from eyas.train.data import PackDataset, Plan, SampleSource, collate_pack, fill_
 from eyas.train.distributed import DistInfo
 from eyas.train.trainer import TrainConfig, Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The CPU is shared: two threads fighting over two busy cores make small matmuls 25x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+
 
 
 @pytest.fixture(scope="module")
