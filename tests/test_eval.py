@@ -33,6 +33,16 @@ from eyas.model.draft import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
 from eyas.utils.io import EyasError
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small matmuls on a shared 2-core machine: one thread is ~10x faster than two fighting for cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # -- helpers: a tiny real Llama target and a quick EAGLE-3 training loop (training-time test, 3 steps) --------
 
 
@@ -409,6 +419,10 @@ def test_cli_eval_end_to_end_reuse_and_resume(tiny_folder, tmp_path):
     logs.clear()
     run_eval(str(tiny_folder / "draft"), **kw)
     assert any("up to date" in line for line in logs)
+    # a new --compare on an up-to-date run only redraws the report against the other run
+    other = write_report(EvalResult.from_dict(data), tmp_path / "other", label="older")
+    run_eval(str(tiny_folder / "draft"), compare=[str(other)], label="newer", **kw)
+    assert "tau older" in (out / "report.md").read_text() and "# eyas eval: newer" in (out / "report.md").read_text()
     # a killed run resumes from its partial records
     partial = tmp_path / ("ev" + PARTIAL_SUFFIX)
     manifest = json.loads((out / "manifest.json").read_text())

@@ -102,10 +102,18 @@ def _colors(names: Sequence[str]) -> dict[str, Any]:
     return {n: cycle[i % len(cycle)] for i, n in enumerate(names)}
 
 
+def _all_methods(result: EvalResult, compare: Compared) -> list[str]:
+    """This run's methods, then any that only a compared run has."""
+    out = list(result.methods)
+    for _, other in compare:
+        out += [m for m in other.methods if m not in out]
+    return out
+
+
 def plot_acceptance_by_position(result: EvalResult, path: Path, label: str, compare: Compared = ()) -> None:
     plt = _plt()
     runs = [(label, result.table()["all"], "-")] + [(n, o.table()["all"], "--") for n, o in compare]
-    methods = [m for m in result.methods if m in runs[0][1]]
+    methods = _all_methods(result, compare)
     colors = _colors(methods)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for run_label, stats, style in runs:
@@ -132,7 +140,7 @@ def plot_acceptance_by_position(result: EvalResult, path: Path, label: str, comp
     axes[1].legend(fontsize=8, loc="best")
     fig.suptitle("Acceptance by position" + (" — solid: " + label + ", dashed: compared" if compare else ""))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -140,32 +148,41 @@ def plot_tau_by_prompt_set(result: EvalResult, path: Path, label: str, compare: 
     plt = _plt()
     table = result.table()
     set_names = [s for s in table if s != "all"] + (["all"] if len(table) > 2 else [])
-    methods = list(result.methods)
     runs = [(label, table)] + [(n, o.table()) for n, o in compare]
+    methods = _all_methods(result, compare)
     colors = _colors(methods)
-    n_bars = len(methods) * len(runs)
-    width = 0.8 / max(n_bars, 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(set_names) * max(1, n_bars / 3)), 4.2))
-    for r, (run_label, t) in enumerate(runs):
-        for i, m in enumerate(methods):
-            xs, ys = [], []
-            for j, s in enumerate(set_names):
-                v = t.get(s, {}).get(m)
-                if v and v["tau"] is not None:
-                    xs.append(j - 0.4 + width * (i * len(runs) + r + 0.5))
-                    ys.append(v["tau"])
-            tag = f"{m} ({run_label})" if compare else m
-            bars = ax.bar(xs, ys, width * 0.95, color=colors[m], alpha=1.0 if r == 0 else 0.45,
-                          hatch=None if r == 0 else "//", label=tag, edgecolor="black", linewidth=0.4)
-            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+
+    def tau(t: dict, s: str, m: str) -> float | None:
+        v = t.get(s, {}).get(m)
+        return v["tau"] if v else None
+
+    # one bar slot per (method, run) that has a value somewhere; a compared run sits next to this one
+    pairs = [(m, r) for m in methods for r in range(len(runs))
+             if any(tau(runs[r][1], s, m) is not None for s in set_names)]
+    width = 0.8 / max(len(pairs), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(set_names) * max(1.0, len(pairs) / 3)), 4.2))
+    top = 1.0
+    for slot, (m, r) in enumerate(pairs):
+        run_label, t = runs[r]
+        xs, ys = [], []
+        for j, s in enumerate(set_names):
+            if (v := tau(t, s, m)) is not None:
+                xs.append(j - 0.4 + width * (slot + 0.5))
+                ys.append(v)
+        top = max([top, *ys])
+        bars = ax.bar(xs, ys, width * 0.95, color=colors[m], alpha=1.0 if r == 0 else 0.45,
+                      hatch=None if r == 0 else "//", label=f"{m} ({run_label})" if compare else m,
+                      edgecolor="black", linewidth=0.4)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     ax.set_xticks(range(len(set_names)), set_names)
+    ax.set_ylim(0, top * 1.15)
     ax.set_ylabel("tau (accepted + bonus per verify)")
-    ax.set_title("Acceptance length tau by prompt set")
+    ax.set_title("Acceptance length tau by prompt set" + (" (hatched: compared)" if compare else ""))
     ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncol=min(4, n_bars), loc="upper left", bbox_to_anchor=(0, -0.1))
+    ax.legend(fontsize=8, ncol=min(4, max(len(pairs), 1)), loc="upper left", bbox_to_anchor=(0, -0.1))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -202,7 +219,7 @@ def plot_tau_vs_k(result: EvalResult, path: Path, label: str, compare: Compared 
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -136,6 +136,11 @@ def run_eval(draft: str, model: str = "smollm2", prompts: str = "mtbench", chain
         try:
             if read_json(manifest).get("options_sha256") == options_sha256:
                 log(f"{out} is up to date (same draft, prompts and options); --force reruns it")
+                if compared or label:  # only the presentation changed: redraw from the stored results
+                    previous = read_json(out / "report.json")
+                    write_report(load_report(out), out, label=label or previous.get("label", "this run"),
+                                 compare=compared)
+                    log(f"redrew {out}/report.md and plots" + (f" against {len(compared)} other run(s)" if compared else ""))
                 return out
         except (OSError, ValueError):
             pass
