@@ -56,7 +56,7 @@ def test_tiny_pipeline_end_to_end_and_rerun_skips(tmp_path, smollm2_dir, capsys)
     assert (work / "export" / "vllm" / "model.safetensors").is_file()
     assert (work / "eval" / "trained" / "report.md").is_file()
     assert summary["tau_trained"] and all(t >= 1.0 for t in summary["tau_trained"].values())
-    assert "vllm serve" in (summary["serve"] or "")
+    assert summary["serve"].startswith("vllm serve") and "--speculative-config" in summary["serve"]
     state = read_json(work / "run_state.json")
     assert set(state) == {"prepare", "extract", "train", "export", "eval"}
     capsys.readouterr()

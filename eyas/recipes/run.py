@@ -178,6 +178,22 @@ def _overall_tau(report: Path) -> dict[str, float]:
     return {m: float(v["tau"]) for m, v in data["results"]["all"].items() if v.get("tau") is not None}
 
 
+def serve_command(readme: Path) -> str | None:
+    """The `vllm serve ...` command of an export README, joined across its `\\` continuation lines."""
+    if not readme.is_file():
+        return None
+    lines = readme.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("vllm serve")), None)
+    if start is None:
+        return None
+    parts = []
+    for line in lines[start:]:
+        parts.append(line.strip().rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    return " ".join(parts)
+
+
 def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> dict[str, Any]:
     """Print what a person wants at the end: did training help, where is the draft, how to serve it."""
     from rich.table import Table
@@ -194,12 +210,11 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     out = Console()
     out.print(table)
     out.print(f"report: {after / 'report.md'}   plots: {', '.join(str(p) for p in sorted(after.glob('*.png')))}")
-    readme = export_dir / "vllm" / "README.md"
-    serve = next((line.strip() for line in readme.read_text().splitlines() if "vllm serve" in line), None) \
-        if readme.is_file() else None
+    serve = serve_command(export_dir / "vllm" / "README.md")
     out.print(f"exported drafts: {export_dir}  (vllm/, sglang/, speculators/)")
     if serve:
-        out.print(f"serve with vLLM: [bold]{serve}[/]")
+        out.print("serve with vLLM:")
+        out.print(serve, markup=False, highlight=False, soft_wrap=True)
     summary = {"tau_untrained": tau_before, "tau_trained": tau_after, "export": str(export_dir), "serve": serve}
     atomic_write_json(workdir / "summary.json", summary)
     return summary
