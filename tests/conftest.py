@@ -17,7 +17,7 @@ def smollm2_dir():
     return smollm2_dir()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_thread():
     """The CPU is shared (2 cores): spinning OpenMP threads slow tiny matmuls 25-50x under load."""
     n = torch.get_num_threads()
