@@ -334,6 +334,12 @@ def test_report_json_markdown_plots_and_compare(tiny, tmp_path):
     with pytest.raises(EyasError):
         load_report(tmp_path / "nothing.json")
     assert "tau counts the bonus token" in markdown_summary(good)
+    # exact in fp32: no precision note; a bf16 run whose output drifted says why and what to run
+    assert "Note:" not in md and good.overall()["chain-3"].identical == good.overall()["chain-3"].compared > 0
+    good.meta["dtype"] = "bfloat16"
+    next(iter(good.sets.values()))["chain-3"].identical -= 1
+    assert "differ from the target's own (chain-3)" in markdown_summary(good)
+    assert "--dtype float32" in markdown_summary(good)
 
 
 def test_prompt_sets(tmp_path):

@@ -13,7 +13,6 @@ cannot change its states, so a ragged batch equals one-at-a-time runs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -27,10 +26,9 @@ from eyas.engines.base import (
     validate_aux_layer_ids,
 )
 from eyas.engines.head import TargetHead
+from eyas.utils.devices import resolve_device, resolve_dtype
 from eyas.utils.io import EyasError
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16}
 # where wrappers keep their text decoder, most specific last (checked before the generic search)
 _DECODER_PATHS = ("model.language_model", "language_model", "model.text_model", "text_model", "model", "transformer")
 _NORM_NAMES = ("norm", "final_layernorm", "final_norm", "norm_f", "ln_f")
@@ -38,25 +36,6 @@ _NORM_NAMES = ("norm", "final_layernorm", "final_norm", "norm_f", "ln_f")
 
 class _StopForward(Exception):
     """Raised by the final-norm hook: everything after the last decoder layer is skipped."""
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16
-    if dtype not in _DTYPES:
-        raise EyasError(f"unknown dtype '{dtype}'; use one of auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """'auto' -> this rank's GPU (LOCAL_RANK under torchrun) when there is one, else the CPU."""
-    if device is None or str(device) == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
-    return torch.device(device)
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -137,15 +116,16 @@ class HFEngine(TargetEngine):
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
     ) -> None:
-        self.dtype = resolve_dtype(dtype)
+        dev = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, dev)
         if isinstance(model, nn.Module):
             self.model = model
             self.model_name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
             if device_map is None:
-                self.model.to(device=resolve_device(device), dtype=self.dtype)
+                self.model.to(device=dev, dtype=self.dtype)
         else:
             self.model_name = str(model)
-            self.model = load_hf_model(str(model), self.dtype, resolve_device(device), device_map,
+            self.model = load_hf_model(str(model), self.dtype, dev, device_map,
                                        attn_implementation, trust_remote_code)
         self.model.eval().requires_grad_(False)
         self.config = self.model.config

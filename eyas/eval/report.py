@@ -80,6 +80,13 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
             cells = [f"{r:.2f} ({_fmt(c)})" for r, c in zip(v["accept_rate_by_pos"], v["accept_cond_by_pos"], strict=False)]
             lines.append(f"| {k} | " + " | ".join(cells + [""] * (width - len(cells))) + " |")
         lines.append("")
+    differs = [k for k, v in overall.items() if v["identical_to_target"] not in (None, 1.0)]
+    if differs and meta.get("dtype") in ("bfloat16", "float16"):
+        lines += [f"Note: some greedy outputs differ from the target's own ({', '.join(differs)}). In "
+                  f"{meta['dtype']}, verifying several tokens in one forward rounds differently from decoding one "
+                  "token at a time, and a near-tie argmax can flip; on an H200 an untrained draft (nothing "
+                  "accepted) gave 1-2 of 4 identical outputs in bf16 and 4 of 4 in float32. Rerun with "
+                  "`--dtype float32` to check exactness.", ""]
     lines += ["Plots: `acceptance_by_position.png`, `tau_by_prompt_set.png`, `tau_vs_k.png`.", ""]
     return "\n".join(lines)
 

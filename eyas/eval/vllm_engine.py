@@ -9,27 +9,18 @@ vLLM reports in production. vLLM verifies chains only here: trees are measured w
 
 from __future__ import annotations
 
-import gc
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eyas.engines.vllm import import_vllm, llm_kwargs, run_llm
 from eyas.eval.metrics import BASELINE, MethodStats
 from eyas.eval.prompts import PromptSet, render_prompt
 from eyas.eval.runner import EvalResult
 from eyas.eval.spec_decode import ChainSpec, Generation
 from eyas.utils.io import EyasError
-
-
-def _vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as e:
-        raise EyasError(f"--engine vllm needs vLLM in this Python environment ({e}). Install vllm, or measure with "
-                        "--engine hf (transformers; chains and trees).") from e
-    return vllm
 
 
 def spec_counters(llm: Any) -> dict[str, Any]:
@@ -58,27 +49,6 @@ def hist_from_counters(before: dict[str, Any], after: dict[str, Any], k: int) ->
     return [at_least[a] - at_least[a + 1] for a in range(k + 1)]
 
 
-def _run_engine(kwargs: dict[str, Any], work: Callable[[Any], None]) -> None:
-    """Start an in-process vLLM engine, run `work(llm)`, and tear it down before the next one starts.
-
-    No caller may keep a reference to the engine: an old engine collected after a new one started
-    would tear down the new one's process groups.
-    """
-    vllm = _vllm()
-    llm = vllm.LLM(**kwargs)
-    try:
-        work(llm)
-    finally:
-        del llm
-        gc.collect()
-        try:
-            from vllm.distributed import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
-        except ImportError:
-            pass
-
-
 def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chains: list[int], temperature: float,
                        top_p: float, max_new_tokens: int, seed: int = 0, log: Callable[[str], None] = print,
                        engine_kwargs: dict[str, Any] | None = None) -> EvalResult:
@@ -86,7 +56,7 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
     import torch
     from transformers import AutoTokenizer
 
-    vllm = _vllm()
+    vllm = import_vllm("--engine vllm", "measure with --engine hf (transformers; chains and trees)")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -98,10 +68,7 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
         raise EyasError("--engine vllm needs a draft folder; `random` is for --engine hf")
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = {"model": target_path, "seed": seed, "disable_log_stats": False,
-                              "max_model_len": 8192 if cuda else 2048}
-    kwargs.update({"gpu_memory_utilization": 0.6} if cuda else
-                  {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20})
+    kwargs = llm_kwargs(target_path, seed, max_model_len=8192 if cuda else 2048, disable_log_stats=False)
     kwargs.update(engine_kwargs or {})
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
     methods = [ChainSpec(k) for k in chains]
@@ -165,12 +132,12 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
         return work
 
     log("vllm: the target alone")
-    _run_engine(kwargs, run_target)
+    run_llm(kwargs, run_target)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-vllm-") as tmp:
         draft_dir = export_draft(import_draft(draft, target=target_path), Path(tmp) / "vllm", "vllm",
                                  ExportOptions(verifier=target_path, dtype="bfloat16" if cuda else "float32"))
         for m in methods:
             log(f"vllm: {m.name}")
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": m.k}
-            _run_engine({**kwargs, "speculative_config": spec}, run_chain(m))
+            run_llm({**kwargs, "speculative_config": spec}, run_chain(m))
     return result

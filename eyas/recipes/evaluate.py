@@ -54,26 +54,6 @@ def _fingerprint(path: Path) -> str:
     return sha256_json({p.name: sha256_file(p) for p in files})
 
 
-def _pick_device(device: str) -> Any:
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _pick_dtype(dtype: str, device: Any) -> Any:
-    import torch
-
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float32": torch.float32, "fp32": torch.float32}
-    if dtype not in table:
-        raise EyasError(f"--dtype {dtype!r}: choose auto, bfloat16, float16 or float32")
-    return table[dtype]
-
-
 def load_draft(draft: str, target_path: str, target_model: Any, device: Any, dtype: Any) -> Any:
     """A draft folder in any layout eyas imports, or `random` (an untrained draft: the 'before training' mark)."""
     import torch
@@ -145,8 +125,10 @@ def run_eval(draft: str, model: str = "smollm2", prompts: str = "mtbench", chain
         except (OSError, ValueError):
             pass
 
-    dev = _pick_device(device)
-    dt = _pick_dtype(dtype, dev)
+    from eyas.utils.devices import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     sets = load_prompt_sets(prompts, max_prompts, max_turns)
     label = label or (Path(draft).name if draft != "random" else "untrained")
     if engine == "vllm":

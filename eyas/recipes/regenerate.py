@@ -67,8 +67,39 @@ def _regenerable(m: dict) -> bool:
     return m["role"] == "assistant" and not m.get("tool_calls")
 
 
+class _Conversation:
+    """One conversation being rewritten turn by turn."""
+
+    def __init__(self, messages: list[dict]) -> None:
+        self.messages = [dict(m) for m in messages]
+        self.next = 0  # first message not rewritten or skipped yet
+
+    def next_turn(self) -> int | None:
+        return next((j for j in range(self.next, len(self.messages)) if _regenerable(self.messages[j])), None)
+
+    def result(self) -> list[dict] | None:
+        """The rewritten conversation ending on an assistant turn, or None when none is left."""
+        c = self.messages
+        while c and c[-1]["role"] != "assistant":
+            c.pop()
+        return c if any(m["role"] == "assistant" for m in c) else None
+
+
+def _new_stats() -> dict[str, int]:
+    return {"turns": 0, "tokens": 0, "unfinished": 0, "truncated": 0, "dropped": 0}
+
+
 class Regenerator:
-    """Batched rewriting of assistant turns with one model and its tokenizer."""
+    """Rewrites assistant turns with one model and its tokenizer.
+
+    Engines: "generate" runs transformers' `generate` on padded batches, turn by turn across a batch
+    (any transformers version, bit-reproducible sampling); "vllm" (VllmRegenerator) sends each such
+    round to vLLM at once; "continuous" streams every turn through
+    transformers' continuous batching (paged KV cache), so a finished reply frees its slot at once and
+    the next turn of its conversation starts right away. Continuous batching pays off with a flash-attention
+    kernel; with transformers' paged-SDPA fallback (no flash-attn installed) it measured slower than
+    "generate" on an H200 (docs/benchmarks.md).
+    """
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, max_length: int = 4096,
                  template_kwargs: dict | None = None) -> None:
@@ -78,80 +109,186 @@ class Regenerator:
         tokenizer.padding_side = "left"  # decoder-only generation: prompts end where replies start
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        eos = model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-            eos.append(tokenizer.eos_token_id)
-        if not eos:
-            raise EyasError("the target defines no end-of-sequence token (generation_config / tokenizer): "
-                            "replies would never stop")
-        self.eos = eos
+        self.eos = _stop_ids(model.generation_config.eos_token_id, tokenizer)
 
-    def _prompt(self, messages: list[dict]) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+    # -- the per-turn logic both engines share ---------------------------------------------------
+
+    def _open_turn(self, conv: _Conversation, stats: dict) -> tuple[int, list[int]] | None:
+        """(turn index, prompt ids) of the next reply to write; None when the conversation is done, or
+        cut because that reply would not fit in --max-length."""
+        j = conv.next_turn()
+        if j is None:
+            return None
+        text = self.tok.apply_chat_template(conv.messages[:j], tokenize=False, add_generation_prompt=True,
                                             **self.template_kwargs)
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + self.sampling.max_new_tokens > self.max_length:
+            conv.messages = conv.messages[:j]
+            stats["truncated"] += 1
+            return None
+        return j, ids
 
-    @torch.inference_mode()
+    def _close_turn(self, conv: _Conversation, j: int, toks: list[int], stats: dict) -> None:
+        end = next((t for t, x in enumerate(toks) if x in self.eos), None)
+        if end is None:
+            stats["unfinished"] += 1
+            end = len(toks)
+        conv.messages[j]["content"] = self.tok.decode(toks[:end], skip_special_tokens=True).strip()
+        conv.messages[j].pop("reasoning_content", None)  # the old reasoning belonged to the old reply
+        conv.next = j + 1
+        stats["turns"] += 1
+        stats["tokens"] += end + (end < len(toks))
+
+    @staticmethod
+    def _finish(conv: _Conversation, stats: dict) -> list[dict] | None:
+        out = conv.result()
+        stats["dropped"] += out is None
+        return out
+
+    # -- engines "generate" and "vllm": one round of turns at a time ---------------------------------
+
     def batch(self, convs: list[list[dict]], seed: int) -> tuple[list[list[dict] | None], dict]:
         """Rewrite every assistant turn of `convs`, turn by turn across the batch.
 
         Returns the new conversations (None when not even the first reply fits in --max-length) and counts.
         """
-        torch.manual_seed(seed)
-        work = [[dict(m) for m in c] for c in convs]
-        nxt = [0] * len(work)
-        alive = [True] * len(work)
-        stats = {"turns": 0, "tokens": 0, "unfinished": 0, "truncated": 0, "dropped": 0}
-        gen_kwargs = self.sampling.generate_kwargs()
-        while True:
-            jobs: list[tuple[int, int]] = []
-            for b, c in enumerate(work):
-                j = next((j for j in range(nxt[b], len(c)) if _regenerable(c[j])), None) if alive[b] else None
-                if j is not None:
-                    jobs.append((b, j))
+        work = [_Conversation(c) for c in convs]
+        stats = _new_stats()
+        live = list(range(len(work)))
+        while live:
+            jobs = [(b, opened) for b in live if (opened := self._open_turn(work[b], stats)) is not None]
+            live = [b for b, _ in jobs]
             if not jobs:
                 break
-            prompts = [self._prompt(work[b][:j]) for b, j in jobs]
-            enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            plen = enc["attention_mask"].sum(1).tolist()
-            keep = [i for i, n in enumerate(plen) if n + self.sampling.max_new_tokens <= self.max_length]
-            for i in sorted(set(range(len(jobs))) - set(keep)):  # no room for this reply: end the conversation
-                b, j = jobs[i]
-                alive[b] = False
-                work[b] = work[b][:j]
-                stats["truncated"] += 1
-            if not keep:
-                continue
-            jobs = [jobs[i] for i in keep]
-            ids = enc["input_ids"][keep]
-            mask = enc["attention_mask"][keep]
-            cut = int((mask.sum(0) > 0).nonzero()[0])  # drop columns that are padding in every kept row
-            ids, mask = ids[:, cut:].to(self.device), mask[:, cut:].to(self.device)
-            out = self.model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tok.pad_token_id,
-                                      eos_token_id=self.eos, **gen_kwargs)
-            new = out[:, ids.shape[1]:].cpu()  # [B, <=max_new_tokens]
-            for r, (b, j) in enumerate(jobs):
-                toks = new[r].tolist()
-                end = next((t for t, x in enumerate(toks) if x in self.eos), None)
-                if end is None:
-                    stats["unfinished"] += 1
-                    end = len(toks)
-                text = self.tok.decode(toks[:end], skip_special_tokens=True).strip()
-                work[b][j]["content"] = text
-                work[b][j].pop("reasoning_content", None)  # the old reasoning belonged to the old reply
-                nxt[b] = j + 1
-                stats["turns"] += 1
-                stats["tokens"] += end + (end < len(toks))
-        result: list[list[dict] | None] = []
-        for c in work:
-            while c and c[-1]["role"] != "assistant":
-                c.pop()
-            if not any(m["role"] == "assistant" for m in c):
-                stats["dropped"] += 1
-                result.append(None)
-            else:
-                result.append(c)
-        return result, stats
+            replies = self._decode([ids for _, (_, ids) in jobs], seed)
+            seed += 1
+            for toks, (b, (j, _)) in zip(replies, jobs, strict=True):
+                self._close_turn(work[b], j, toks, stats)
+        return [self._finish(c, stats) for c in work], stats
+
+    @torch.inference_mode()
+    def _decode(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        """Replies (token ids, the stop token kept when one ended them) to left-padded prompts."""
+        torch.manual_seed(seed)
+        enc = self.tok.pad({"input_ids": prompts}, return_tensors="pt")
+        ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, pad_token_id=self.tok.pad_token_id,
+                                  eos_token_id=self.eos, **self.sampling.generate_kwargs())
+        return out[:, ids.shape[1]:].tolist()  # [B, <=max_new_tokens]
+
+    # -- engine "continuous": transformers' continuous batching ------------------------------------
+
+    def stream(self, convs: list[list[dict]], chunk: int, todo: list[int], window: int, seed: int,
+               on_chunk: Any) -> None:
+        """Rewrite chunks `todo` (of `chunk` conversations each) with up to `window` conversations in
+        flight; `on_chunk(b, conversations, stats)` runs as soon as chunk b and all before it are done.
+        (No inference_mode here: the manager's worker thread updates its buffers outside of it.)"""
+        from transformers import GenerationConfig
+
+        if not hasattr(self.model, "continuous_batching_context_manager"):
+            raise EyasError("--engine continuous needs transformers' continuous batching "
+                            "(model.continuous_batching_context_manager, transformers >= 5); "
+                            "upgrade transformers or use --engine generate")
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        gk = self.sampling.generate_kwargs()
+        gcfg = GenerationConfig(**gk, eos_token_id=self.eos, pad_token_id=self.tok.pad_token_id)
+        sizes = {}
+        if self.device.type != "cuda":  # it sizes its cache from free GPU memory; on a CPU, from the workload
+            sizes = {"num_blocks": -(-min(window * self.max_length, 1 << 16) // 256), "max_batch_tokens": 2048}
+        cbcfg = ContinuousBatchingConfig(seed=seed, max_requests_per_batch=min(window, 1024), block_size=256,
+                                         **sizes)
+        hints = WorkloadHints(max_prompt_length=self.max_length, max_generated_length=gk["max_new_tokens"],
+                              num_requests=window)
+        order = [i for b in todo for i in range(b * chunk, min((b + 1) * chunk, len(convs)))]
+        work: dict[int, _Conversation] = {}
+        stats = {b: _new_stats() for b in todo}
+        left = {b: min((b + 1) * chunk, len(convs)) - b * chunk for b in todo}
+        results: dict[int, list[dict] | None] = {}
+        flying: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
+        emit = list(todo)  # chunks in order, written as soon as complete
+
+        def advance(mgr: Any, i: int) -> None:
+            """Send conversation i's next turn, or finish it."""
+            b = i // chunk
+            opened = self._open_turn(work[i], stats[b])
+            if opened is not None:
+                rid = mgr.add_request(opened[1], request_id=f"c{i}t{opened[0]}",
+                                      max_new_tokens=gk["max_new_tokens"], eos_token_id=self.eos)
+                if rid is None:
+                    raise EyasError("transformers' continuous batching refused a request (its worker stopped: see the "
+                                    "log above); use --engine generate")
+                flying[rid] = (i, opened[0])
+                return
+            results[i] = self._finish(work.pop(i), stats[b])
+            left[b] -= 1
+            while emit and left[emit[0]] == 0:
+                e = emit.pop(0)
+                lo, hi = e * chunk, min((e + 1) * chunk, len(convs))
+                on_chunk(e, [results.pop(k) for k in range(lo, hi)], stats.pop(e))
+
+        with self.model.continuous_batching_context_manager(
+                generation_config=gcfg, continuous_batching_config=cbcfg, workload_hints=hints,
+                block=True, timeout=10, warmup=self.device.type == "cuda") as mgr:
+            queue = iter(order)
+            while True:
+                while len(work) < window and (i := next(queue, None)) is not None:
+                    work[i] = _Conversation(convs[i])
+                    advance(mgr, i)
+                if not flying:
+                    break
+                res = mgr.get_result(timeout=1)
+                if res is None:
+                    if not mgr.is_running():
+                        raise EyasError("transformers' continuous batching stopped unexpectedly (see its log "
+                                        "above); rerun to resume, or use --engine generate")
+                    continue
+                if not res.is_finished() or res.request_id not in flying:
+                    continue
+                if res.error is not None:
+                    raise EyasError(f"generation failed for request {res.request_id}: {res.error}")
+                i, j = flying.pop(res.request_id)
+                self._close_turn(work[i], j, list(res.generated_tokens), stats[i // chunk])
+                advance(mgr, i)
+
+
+class VllmRegenerator(Regenerator):
+    """Engine "vllm": each round of turns goes to vLLM in one call (its own continuous batching and
+    paged attention, tensor parallel with --tp); the turn logic is Regenerator's."""
+
+    def __init__(self, llm: Any, tokenizer: Any, sampling: Sampling, max_length: int, eos: list[int]) -> None:
+        self.llm, self.tok, self.sampling, self.max_length = llm, tokenizer, sampling, max_length
+        self.template_kwargs: dict = {}
+        self.eos = eos
+
+    def _decode(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        s = self.sampling
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
+                                max_tokens=s.max_new_tokens, seed=seed, stop_token_ids=self.eos, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        replies = []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            if c.finish_reason == "stop" and (not toks or toks[-1] not in self.eos):
+                toks.append(self.eos[0])  # vLLM may leave the stop token out; _close_turn looks for it
+            replies.append(toks)
+        return replies
+
+
+def _stop_ids(eos: int | list[int] | None, tokenizer: Any) -> list[int]:
+    """End-of-reply ids: the generation config's, plus the tokenizer's eos."""
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise EyasError("the target defines no end-of-sequence token (generation_config / tokenizer): "
+                        "replies would never stop")
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,28 +323,42 @@ def run_regenerate(
     model: str | Any = "smollm2",
     tokenizer: Any = None,
     sampling: Sampling | None = None,
-    batch_size: int = 32,
+    batch_size: int = 0,
     max_length: int = 4096,
     max_samples: int = 0,
     dtype: str = "auto",
     device: str = "auto",
+    engine: str = "generate",
+    window: int = 512,
+    tp: int = 1,
     on_batch: Any = None,
 ) -> Path:
     """Rewrite the assistant turns of `inputs` into `out` (JSONL). `model` may be a loaded model (with
-    `tokenizer`); `on_batch(b)` runs after batch b is saved (tests use it to simulate a crash)."""
+    `tokenizer`); `on_batch(b)` runs after batch b is saved (tests use it to simulate a crash).
+
+    Work is saved in batches of `batch_size` conversations (0: 256 on a GPU, 32 on a CPU); engine
+    "continuous" keeps `window` conversations in flight across batch boundaries."""
     from eyas.assets import resolve_model
     from eyas.data.readers import SkipLog, resolve_input
 
     sampling = sampling or Sampling()
     sampling.generate_kwargs()  # validate before any work
-    if batch_size < 1:
-        raise EyasError("--batch-size must be >= 1")
+    from eyas.utils.devices import resolve_device
+
+    run_device = resolve_device(device) if isinstance(model, str) else next(model.parameters()).device
+    # transformers' generate is host-bound for small targets (~75-115 ms per step on an H200 box at any
+    # batch up to 1024), so a GPU batch costs about the same whether it holds 64 or 256 conversations
+    batch_size = batch_size or (256 if run_device.type == "cuda" else 32)
+    if batch_size < 1 or window < 1:
+        raise EyasError("--batch-size and --window must be >= 1")
+    if engine not in ("generate", "vllm", "continuous"):
+        raise EyasError(f"--engine must be generate, vllm or continuous, not {engine!r}")
     out = Path(out)
     sources = [resolve_input(str(i)) for i in inputs]
     model_name = resolve_model(model) if isinstance(model, str) else getattr(model.config, "name_or_path", "")
     options = {"format": FORMAT, "inputs": [s.fingerprint() for s in sources], "model": model_name,
                "sampling": asdict(sampling), "batch_size": batch_size, "max_length": max_length,
-               "max_samples": max_samples, "dtype": dtype}
+               "max_samples": max_samples, "dtype": dtype, "engine": engine}
     if not isinstance(model, str):
         options["model_params"] = sum(p.numel() for p in model.parameters())
     options_sha = sha256_json(options)
@@ -232,11 +383,13 @@ def run_regenerate(
         raise EyasError(f"no usable conversation in {', '.join(map(str, inputs))}" +
                         ("; skipped: " + "; ".join(log.lines()) if log.total else ""))
 
-    if isinstance(model, str):
-        model, tokenizer = load_generator(model_name, dtype, device)
-    elif tokenizer is None:
-        raise EyasError("run_regenerate(model=<loaded model>) also needs its tokenizer")
-    regen = Regenerator(model, tokenizer, sampling, max_length)
+    if engine == "vllm" and not isinstance(model, str):
+        raise EyasError("--engine vllm loads the target itself: pass its folder or hub id, not a loaded model")
+    if engine != "vllm":
+        if isinstance(model, str):
+            model, tokenizer = load_generator(model_name, dtype, device)
+        elif tokenizer is None:
+            raise EyasError("run_regenerate(model=<loaded model>) also needs its tokenizer")
 
     partial = out.with_name(out.name + ".partial")
     done = _read_partial(partial, options_sha)
@@ -254,20 +407,32 @@ def run_regenerate(
     with progress_bar() as progress, open(partial, "a", encoding="utf-8") as f:
         task = progress.add_task("regenerate", total=len(convs), tokens=0, info="")
         progress.update(task, completed=sum(len(r["conversations"]) for r in done.values()))
-        for b in range(nbatches):
-            if b in done:
-                continue
-            chunk = convs[b * batch_size:(b + 1) * batch_size]
-            new, st = regen.batch(chunk, seed=sampling.seed * 1_000_003 + b)
+
+        def save(b: int, new: list, st: dict) -> None:
             rec = {"batch": b, "conversations": new, "stats": st}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
             done[b] = rec
             stats.add(st)
-            progress.update(task, advance=len(chunk), tokens=stats.tokens)
+            progress.update(task, advance=len(new), tokens=stats.tokens)
             if on_batch is not None:
                 on_batch(b)
+
+        def by_rounds(regen: Regenerator) -> None:
+            for b in todo:
+                save(b, *regen.batch(convs[b * batch_size:(b + 1) * batch_size], seed=sampling.seed * 1_000_003 + b))
+
+        todo = [b for b in range(nbatches) if b not in done]
+        if not todo:
+            pass
+        elif engine == "vllm":
+            _with_vllm(model_name, sampling, max_length, tp, dtype, by_rounds)
+        elif engine == "continuous":
+            Regenerator(model, tokenizer, sampling, max_length).stream(convs, batch_size, todo, window,
+                                                                       sampling.seed, save)
+        else:
+            by_rounds(Regenerator(model, tokenizer, sampling, max_length))
     dt = time.perf_counter() - t0
 
     total = Stats()
@@ -290,16 +455,34 @@ def run_regenerate(
     return out
 
 
+def _with_vllm(model: str, sampling: Sampling, max_length: int, tp: int, dtype: str, work: Any) -> None:
+    """Run `work(VllmRegenerator)` on a vLLM engine for `model`, torn down afterwards."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from eyas.engines.vllm import import_vllm, llm_kwargs, run_llm
+
+    import_vllm("--engine vllm", "use --engine generate")
+    tok = AutoTokenizer.from_pretrained(model)
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos alone
+        eos = None
+    stop = _stop_ids(eos, tok)
+    extra = {"tensor_parallel_size": tp} | ({} if dtype == "auto" else {"dtype": dtype})
+    run_llm(llm_kwargs(model, sampling.seed, max_model_len=max_length, **extra),
+            lambda llm: work(VllmRegenerator(llm, tok, sampling, max_length, stop)))
+
+
 def load_generator(model: str, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
-    """The target as a causal LM with its tokenizer (bf16 on GPU by default, SDPA attention)."""
+    """The target as a causal LM with its tokenizer (bf16 on GPU, fp32 on CPU by default, SDPA attention)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eyas.engines.hf import resolve_device, resolve_dtype
+    from eyas.utils.devices import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     try:
         tok = AutoTokenizer.from_pretrained(model)
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(dtype), attn_implementation="sdpa")
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(dtype, dev), attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise EyasError(f"cannot load target '{model}' for generation: {e}") from e
     if tok.chat_template is None:
@@ -315,7 +498,18 @@ def cli(
                               "[default: smollm2]"),
     max_samples: int = typer.Option(0, "--max-samples", help="Use only the first N conversations; 0 = all. "
                                     "[default: 0]"),
-    batch_size: int = typer.Option(32, "--batch-size", help="Conversations generated together. [default: 32]"),
+    batch_size: int = typer.Option(0, "--batch-size", help="Conversations per saved batch (the unit a killed run "
+                                    "resumes from); engine generate also generates them together. 0 = 256 on a GPU "
+                                    "(decoding a small target is host-bound: bigger batches are nearly free), 32 on "
+                                    "a CPU. [default: 0]"),
+    engine: str = typer.Option("generate", "--engine", help="generate: transformers' generate on padded batches "
+                               "(reproducible sampling, any version). vllm: vLLM generates each round of turns "
+                               "(fast on GPUs; --tp for tensor parallel). continuous: transformers' continuous batching "
+                               "(greedy runs reproduce; sampled ones depend on scheduling); worth it only with a "
+                               "flash-attention kernel installed. [default: generate]"),
+    window: int = typer.Option(512, "--window", help="engine continuous: conversations in flight at once. "
+                               "[default: 512]"),
+    tp: int = typer.Option(1, "--tp", help="engine vllm: tensor-parallel GPUs. [default: 1]"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="Longest reply. [default: 1024]"),
     max_length: int = typer.Option(4096, "--max-length", help="Prompt + reply token limit; a conversation ends "
                                    "before the first turn that does not fit. [default: 4096]"),
@@ -323,9 +517,10 @@ def cli(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass. [default: 1.0]"),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens; 0 = off. [default: 0]"),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per batch, so resumed runs match). [default: 0]"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16), bfloat16, float32. [default: auto]"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32. [default: auto]"),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any), cpu, cuda:N. [default: auto]"),
 ) -> None:
     run_regenerate(inputs, out, model=model, sampling=Sampling(temperature, top_p, top_k, max_new_tokens, seed),
                    batch_size=batch_size, max_length=max_length, max_samples=max_samples, dtype=dtype,
+                   engine=engine, window=window, tp=tp,
                    device=device)

@@ -37,9 +37,8 @@ from eyas.model.vocab import draft_to_target_ids, target_to_draft_ids
 from eyas.train import distributed as D
 from eyas.train.loss import target_distribution
 from eyas.train.ttt import TTTConfig, TTTModel, summarize
+from eyas.utils.devices import resolve_dtype
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json, read_json
-
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass
@@ -53,7 +52,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
-    token_budget: int = 0  # tokens per packed micro-batch; 0 = 16384 on GPU, 2048 on CPU
+    token_budget: int = 0  # tokens per packed micro-batch; 0 = 16384 on GPU, 1024 on CPU
     grad_accum: int = 1
     epochs: int = 1
     max_steps: int = 0  # > 0 overrides epochs
@@ -72,14 +71,12 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        if self.dtype not in DTYPES:
+        if self.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32"):
             raise EyasError(f"unknown --dtype '{self.dtype}': use auto, bf16 or fp32")
-        return DTYPES[self.dtype]
+        return resolve_dtype(self.dtype, device)
 
     def resolved_budget(self, device: torch.device) -> int:
-        return self.token_budget or (16384 if device.type == "cuda" else 2048)
+        return self.token_budget or (16384 if device.type == "cuda" else 1024)
 
     def schedule_options(self) -> dict[str, Any]:
         """Options a resumed run must share with the run it continues (else the curve differs)."""

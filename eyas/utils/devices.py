@@ -1,0 +1,33 @@
+"""Where and in what precision work runs: one rule for every stage."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from eyas.utils.io import EyasError
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto' -> this rank's GPU (LOCAL_RANK under torchrun) when there is one, else the CPU."""
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' -> bf16 on a GPU, fp32 on a CPU: most server CPUs (AVX2, no AVX512-BF16/AMX) run bf16 matmuls
+    about 100x slower than fp32, so bf16 there is opt-in."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise EyasError(f"unknown dtype '{dtype}'; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
