@@ -211,11 +211,9 @@ def test_vllm_serve_detects_speculators_export(tmp_path, target_dir, prompts, re
 
 def test_vllm_acceptance_matches_eyas_eval(tmp_path, target_dir, prompts, reference):
     """vLLM's acceptance counters for a non-trivial draft equal eyas' own chain speculative decoding."""
-    try:
-        from eyas.eval.runner import greedy_acceptance
-    except ImportError as e:  # eyas.eval is built by another stage
-        pytest.skip(f"eyas.eval.greedy_acceptance is not available: {e}")
     from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from eyas.eval.runner import greedy_acceptance
 
     draft = last_layer_draft(target_dir, reference)
     draft_dir = export_draft(draft, tmp_path / "vllm", "vllm", ExportOptions(verifier=str(target_dir), dtype="float32"))
