@@ -346,7 +346,7 @@ def run_regenerate(
     from eyas.utils.devices import resolve_device
 
     run_device = resolve_device(device) if isinstance(model, str) else next(model.parameters()).device
-    # transformers' generate is host-bound for small targets (~75-115 ms per step on an H200 box at any
+    # transformers' generate is host-bound for small targets (~95-120 ms per step on an H200 box at any
     # batch up to 1024), so a GPU batch costs about the same whether it holds 64 or 256 conversations
     batch_size = batch_size or (256 if run_device.type == "cuda" else 32)
     if batch_size < 1 or window < 1:
