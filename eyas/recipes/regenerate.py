@@ -94,11 +94,11 @@ class Regenerator:
 
     Engines: "generate" runs transformers' `generate` on padded batches, turn by turn across a batch
     (any transformers version, bit-reproducible sampling); "vllm" (VllmRegenerator) sends each such
-    round to vLLM at once; "continuous" streams every turn through
-    transformers' continuous batching (paged KV cache), so a finished reply frees its slot at once and
-    the next turn of its conversation starts right away. Continuous batching pays off with a flash-attention
-    kernel; with transformers' paged-SDPA fallback (no flash-attn installed) it measured slower than
-    "generate" on an H200 (docs/benchmarks.md).
+    round to vLLM at once; "continuous" streams every turn through transformers' continuous batching
+    (paged KV cache), so a finished reply frees its slot at once and the next turn of its conversation
+    starts right away. Continuous batching pays off with a flash-attention kernel; with transformers'
+    paged-SDPA fallback (no flash-attn installed) it measured slower than "generate" on an H200
+    (docs/benchmarks.md).
     """
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, max_length: int = 4096,
@@ -111,7 +111,7 @@ class Regenerator:
             tokenizer.pad_token = tokenizer.eos_token
         self.eos = _stop_ids(model.generation_config.eos_token_id, tokenizer)
 
-    # -- the per-turn logic both engines share ---------------------------------------------------
+    # -- the per-turn logic every engine shares --------------------------------------------------
 
     def _open_turn(self, conv: _Conversation, stats: dict) -> tuple[int, list[int]] | None:
         """(turn index, prompt ids) of the next reply to write; None when the conversation is done, or
