@@ -331,6 +331,7 @@ def run_regenerate(
     engine: str = "generate",
     window: int = 512,
     tp: int = 1,
+    trust_remote_code: bool = False,
     on_batch: Any = None,
 ) -> Path:
     """Rewrite the assistant turns of `inputs` into `out` (JSONL). `model` may be a loaded model (with
@@ -387,7 +388,7 @@ def run_regenerate(
         raise EyasError("--engine vllm loads the target itself: pass its folder or hub id, not a loaded model")
     if engine != "vllm":
         if isinstance(model, str):
-            model, tokenizer = load_generator(model_name, dtype, device)
+            model, tokenizer = load_generator(model_name, dtype, device, trust_remote_code)
         elif tokenizer is None:
             raise EyasError("run_regenerate(model=<loaded model>) also needs its tokenizer")
 
@@ -427,7 +428,7 @@ def run_regenerate(
         if not todo:
             pass
         elif engine == "vllm":
-            _with_vllm(model_name, sampling, max_length, tp, dtype, by_rounds)
+            _with_vllm(model_name, sampling, max_length, tp, dtype, trust_remote_code, by_rounds)
         elif engine == "continuous":
             Regenerator(model, tokenizer, sampling, max_length).stream(convs, batch_size, todo, window,
                                                                        sampling.seed, save)
@@ -455,25 +456,28 @@ def run_regenerate(
     return out
 
 
-def _with_vllm(model: str, sampling: Sampling, max_length: int, tp: int, dtype: str, work: Any) -> None:
+def _with_vllm(model: str, sampling: Sampling, max_length: int, tp: int, dtype: str, trust_remote_code: bool,
+               work: Any) -> None:
     """Run `work(VllmRegenerator)` on a vLLM engine for `model`, torn down afterwards."""
     from transformers import AutoTokenizer, GenerationConfig
 
     from eyas.engines.vllm import import_vllm, llm_kwargs, run_llm
 
     import_vllm("--engine vllm", "use --engine generate")
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     try:
         eos = GenerationConfig.from_pretrained(model).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's eos alone
         eos = None
     stop = _stop_ids(eos, tok)
-    extra = {"tensor_parallel_size": tp} | ({} if dtype == "auto" else {"dtype": dtype})
+    extra = {"tensor_parallel_size": tp, "trust_remote_code": trust_remote_code}
+    extra |= {} if dtype == "auto" else {"dtype": dtype}
     run_llm(llm_kwargs(model, sampling.seed, max_model_len=max_length, **extra),
             lambda llm: work(VllmRegenerator(llm, tok, sampling, max_length, stop)))
 
 
-def load_generator(model: str, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
+def load_generator(model: str, dtype: str = "auto", device: str = "auto",
+                   trust_remote_code: bool = False) -> tuple[Any, Any]:
     """The target as a causal LM with its tokenizer (bf16 on GPU, fp32 on CPU by default, SDPA attention)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -481,8 +485,9 @@ def load_generator(model: str, dtype: str = "auto", device: str = "auto") -> tup
 
     dev = resolve_device(device)
     try:
-        tok = AutoTokenizer.from_pretrained(model)
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(dtype, dev), attn_implementation="sdpa")
+        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(dtype, dev), attn_implementation="sdpa",
+                                                  trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise EyasError(f"cannot load target '{model}' for generation: {e}") from e
     if tok.chat_template is None:
@@ -510,6 +515,8 @@ def cli(
     window: int = typer.Option(512, "--window", help="engine continuous: conversations in flight at once. "
                                "[default: 512]"),
     tp: int = typer.Option(1, "--tp", help="engine vllm: tensor-parallel GPUs. [default: 1]"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Let transformers / vLLM run the "
+                                           "target's own code (needed by e.g. Kimi-K2.5). [default: off]"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="Longest reply. [default: 1024]"),
     max_length: int = typer.Option(4096, "--max-length", help="Prompt + reply token limit; a conversation ends "
                                    "before the first turn that does not fit. [default: 4096]"),
@@ -522,5 +529,5 @@ def cli(
 ) -> None:
     run_regenerate(inputs, out, model=model, sampling=Sampling(temperature, top_p, top_k, max_new_tokens, seed),
                    batch_size=batch_size, max_length=max_length, max_samples=max_samples, dtype=dtype,
-                   engine=engine, window=window, tp=tp,
+                   engine=engine, window=window, tp=tp, trust_remote_code=trust_remote_code,
                    device=device)
