@@ -104,10 +104,15 @@ def test_max_length_cuts_conversations_before_a_turn_that_does_not_fit(tmp_path,
         assert len(tokenizer.apply_chat_template(c[:-1], add_generation_prompt=True)) + 4 <= 48
 
 
-def test_bad_sampling_options_are_refused(tmp_path, tiny, tokenizer):
+def test_bad_options_are_refused_before_any_work(tmp_path, tiny, tokenizer):
     src = write_input(tmp_path / "in.jsonl")
     with pytest.raises(EyasError, match="temperature"):
         run_regenerate([src], tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, sampling=Sampling(temperature=-1))
+    with pytest.raises(EyasError, match="--engine must be generate, vllm or continuous"):
+        run_regenerate([src], tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="hf")
+    with pytest.raises(EyasError, match="--engine vllm loads the target itself"):
+        run_regenerate([src], tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="vllm")
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -425,14 +425,12 @@ def run_regenerate(
                 save(b, *regen.batch(convs[b * batch_size:(b + 1) * batch_size], seed=sampling.seed * 1_000_003 + b))
 
         todo = [b for b in range(nbatches) if b not in done]
-        if not todo:
-            pass
-        elif engine == "vllm":
+        if todo and engine == "vllm":
             _with_vllm(model_name, sampling, max_length, tp, dtype, trust_remote_code, by_rounds)
-        elif engine == "continuous":
+        elif todo and engine == "continuous":
             Regenerator(model, tokenizer, sampling, max_length).stream(convs, batch_size, todo, window,
                                                                        sampling.seed, save)
-        else:
+        elif todo:
             by_rounds(Regenerator(model, tokenizer, sampling, max_length))
     dt = time.perf_counter() - t0
 
