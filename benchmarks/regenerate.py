@@ -1,9 +1,12 @@
-"""Why self-distillation of a small target is slow: transformers' `generate` is host-bound.
+"""Self-distillation decoding speed: transformers' `generate` against eyas' static-cache engine.
 
 Decodes the first user turn of ShareGPT conversations with the target (greedy, a fixed number of new
-tokens) at several batch sizes, side by side in one run, and prints the time per decode step and the
-tokens/s against the smallest batch. When the step time stays flat as the batch grows, the GPU is
-waiting on the host and bigger batches are free; `eyas regenerate` sizes its default batch from this.
+tokens, no early stop) at several batch sizes, both engines side by side in one run: time per decode
+step, tokens/s, the ratio, and how many rows both engines decode to the same tokens (up to the first
+end-of-turn; bf16 kernels may flip near-ties). `generate` launches each layer's kernels from Python at
+every step, so on a GPU its step time stays flat as the batch grows (host-bound); the static engine
+(`eyas regenerate --engine static`, eyas.engines.graph_decode) replays each step as one CUDA graph.
+On a GPU the run also checks that the graph replay writes exactly what the same steps write eagerly.
 
     PYTHONPATH=. python3 benchmarks/regenerate.py                          # GPU: batches 64, 256, 1024
     PYTHONPATH=. python3 benchmarks/regenerate.py --batches 1,4 --new 8    # CPU smoke run
@@ -22,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from eyas.assets import resolve_model
 from eyas.data.readers import read_conversations
+from eyas.engines.graph_decode import GraphDecoder
 from eyas.utils.devices import resolve_device, resolve_dtype
 
 
@@ -52,27 +56,48 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
     weights = "random weights" if args.random_weights else "real weights"
     print(f"{path} ({weights}), {model.dtype}, {name}, torch {torch.__version__}, greedy, {args.new} new tokens\n")
-    print("| batch | prompt tokens | s | ms / decode step | tok/s | tok/s vs first row |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    first = None
+    stop = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    print("| batch | prompt tokens | generate ms/step | static ms/step | generate tok/s | static tok/s | static vs "
+          "generate | rows identical |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    decoder = GraphDecoder(model)
     for b in batches:
         enc = tok(prompts[:b], return_tensors="pt", padding=True, add_special_tokens=False, truncation=True,
                   max_length=args.prompt_len).to(dev)
+        rows = [r[m.bool()].tolist() for r, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu(),
+                                                       strict=True)]
         with torch.inference_mode():
             model.generate(**enc, do_sample=False, max_new_tokens=2, pad_token_id=tok.eos_token_id)  # warm-up
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            model.generate(**enc, do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new,
-                           pad_token_id=tok.eos_token_id)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-        rate = len(prompts[:b]) * args.new / dt
-        first = first or rate
-        print(f"| {b} | {enc['input_ids'].shape[1]} | {dt:.2f} | {dt / args.new * 1e3:.1f} | {rate:,.0f} | "
-              f"{rate / first:.2f}x |")
+            decoder.generate(rows, 4, [], tok.eos_token_id)
+            t_hf, ref = timed(dev, model.generate, **enc, do_sample=False, max_new_tokens=args.new,
+                              min_new_tokens=args.new, pad_token_id=tok.eos_token_id)
+            t_st, got = timed(dev, decoder.generate, rows, args.new, [], tok.eos_token_id)
+        ref = ref[:, enc["input_ids"].shape[1]:].tolist()
+        same = sum(until(r, stop) == until(g, stop) for r, g in zip(ref, got, strict=True))
+        n = len(rows) * args.new
+        print(f"| {len(rows)} | {enc['input_ids'].shape[1]} | {t_hf / args.new * 1e3:.1f} | {t_st / args.new * 1e3:.1f} "
+              f"| {n / t_hf:,.0f} | {n / t_st:,.0f} | {t_hf / t_st:.1f}x | {same}/{len(rows)} |")
+    if dev.type == "cuda":  # the replayed graph against the same steps run one by one
+        rows = rows[:64]
+        eager = GraphDecoder(model, graphs=False).generate(rows, args.new, [], tok.eos_token_id)
+        graph = decoder.generate(rows, args.new, [], tok.eos_token_id)
+        print(f"\nCUDA graph replay vs eager steps, {len(rows)} rows x {args.new} tokens: "
+              f"{sum(a == b for a, b in zip(eager, graph, strict=True))}/{len(rows)} rows identical")
 
+
+def timed(dev: torch.device, fn, *args, **kwargs):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def until(tokens: list[int], stop: int) -> list[int]:
+    """The reply as a user would get it: up to and including the first end-of-turn token."""
+    return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
 
 if __name__ == "__main__":
     main()

@@ -108,7 +108,7 @@ def test_bad_options_are_refused_before_any_work(tmp_path, tiny, tokenizer):
     src = write_input(tmp_path / "in.jsonl")
     with pytest.raises(EyasError, match="temperature"):
         run_regenerate([src], tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, sampling=Sampling(temperature=-1))
-    with pytest.raises(EyasError, match="--engine must be generate, vllm or continuous"):
+    with pytest.raises(EyasError, match="--engine must be one of auto, generate, static, vllm, continuous"):
         run_regenerate([src], tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="hf")
     with pytest.raises(EyasError, match="--engine vllm loads the target itself"):
         run_regenerate([src], tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="vllm")
@@ -116,8 +116,10 @@ def test_bad_options_are_refused_before_any_work(tmp_path, tiny, tokenizer):
 
 
 @pytest.mark.slow
-def test_batched_greedy_equals_one_at_a_time_on_smollm2(tmp_path, smollm2_dir, tokenizer):
-    """Left padding inside a batch must not change what the real target writes (fp32, greedy)."""
+@pytest.mark.parametrize("engine", ["generate", "static"])
+def test_batched_greedy_equals_one_at_a_time_on_smollm2(tmp_path, smollm2_dir, tokenizer, engine):
+    """Left padding inside a batch must not change what the real target writes (fp32, greedy), with
+    transformers' generate or the static-cache engine."""
     model = tf.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     convs = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "user", "content": "Write one word: a fruit that is yellow and curved, often eaten raw."}]]
@@ -125,7 +127,7 @@ def test_batched_greedy_equals_one_at_a_time_on_smollm2(tmp_path, smollm2_dir, t
     src.write_text("".join(json.dumps({"messages": c + [{"role": "assistant", "content": "x"}]}) + "\n"
                            for c in convs))
     out = run_regenerate([str(src)], tmp_path / "out.jsonl", model=model, tokenizer=tokenizer, batch_size=2,
-                         sampling=Sampling(temperature=0, max_new_tokens=8))
+                         sampling=Sampling(temperature=0, max_new_tokens=8), engine=engine)
     got = [c[-1]["content"] for c in read_conversations([str(out)])]
     for c, text in zip(convs, got, strict=True):
         ids = tokenizer.apply_chat_template(c, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -152,6 +154,26 @@ def test_continuous_engine_writes_what_generate_writes_and_resumes(tmp_path, tin
     assert run_regenerate([src], tmp_path / "out.jsonl", **kw).read_text() == ref
     stats = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())["stats"]
     assert stats["turns"] == 7 and stats["conversations"] == 5
+
+
+def test_static_engine_writes_what_generate_writes_and_resumes(tmp_path, tiny, tokenizer):
+    """The static-cache engine: the same greedy conversations as generate, multi-turn, resumable."""
+    src = write_input(tmp_path / "in.jsonl")
+    kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, sampling=Sampling(temperature=0, max_new_tokens=6))
+    ref = run_regenerate([src], tmp_path / "ref.jsonl", **kw).read_text()
+    kw["engine"] = "static"
+
+    def kill(b):
+        if b == 1:
+            raise KeyboardInterrupt("killed after batch 1")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_regenerate([src], tmp_path / "out.jsonl", on_batch=kill, **kw)
+    assert run_regenerate([src], tmp_path / "out.jsonl", **kw).read_text() == ref
+    # sampled: seeded per batch, so a rerun writes the same file
+    kw["sampling"] = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=6, seed=4)
+    a = run_regenerate([src], tmp_path / "s1.jsonl", **kw).read_text()
+    assert a == run_regenerate([src], tmp_path / "s2.jsonl", **kw).read_text() and a != ref
 
 
 @pytest.mark.vllm

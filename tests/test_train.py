@@ -160,6 +160,25 @@ def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):
     assert full[0]["loss"] != full[-1]["loss"]
 
 
+def test_max_time_stops_with_a_draft_and_resume_finishes_the_same_curve(data, tmp_path):
+    """--max-time: the run stops at a log step past the budget, writes a usable draft and a checkpoint
+    but is not 'up to date'; --resume continues it to the uninterrupted run's losses and weights."""
+    _, _, store = data
+    kw = dict(max_steps=6, save_every=0, num_workers=1, log_every=2)
+    train(tmp_path / "full", store, **kw)
+    cut = train(tmp_path / "cut", store, max_time=1e-9, **kw)  # past the budget at the first log step
+    assert not cut["complete"] and cut["steps"] == 2 and cut["total_steps"] == 6
+    assert Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").config.draft_vocab_size == 48
+    assert (tmp_path / "cut" / "train_state" / "step-00000002").is_dir()
+    done = train(tmp_path / "cut", store, resume=True, **kw)
+    assert done["complete"] and done["steps"] == 6
+    full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    assert [m["loss"] for m in full] == [m["loss"] for m in resumed] and len(full) == 3
+    w_full = Eagle3Draft.from_pretrained(tmp_path / "full" / "draft").state_dict()
+    w_cut = Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").state_dict()
+    assert all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
+
+
 def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):
     from typer.testing import CliRunner
 

@@ -152,8 +152,15 @@ def run_pipeline(cfg: dict[str, Any], config_path: Path, force: set[str] = froze
                    lambda: call_stage("extract", extract.cli, ext_opts))
         train_opts["store"] = paths["store"]
     draft_dir = paths["train"] / "draft"
-    ledger.run("train", train_opts, [draft_dir / "model.safetensors"],
-               lambda: call_stage("train", train.cli, {"resume": True, **train_opts}))
+
+    def run_train() -> None:
+        call_stage("train", train.cli, {"resume": True, **train_opts})
+        done = read_json(paths["train"] / "manifest.json")
+        if not done.get("complete", True):  # cut by max_time: not done, and the next `eyas run` resumes it
+            raise EyasError(f"train stopped at its max_time budget after {done['steps']}/{done['total_steps']} steps; "
+                            f"the draft so far is in {draft_dir}. Run the same `eyas run` again to continue.")
+
+    ledger.run("train", train_opts, [draft_dir / "model.safetensors"], run_train)
 
     exp_opts = {"draft": draft_dir, "format": "all", "out": paths["export"], **_section(cfg, "export")}
     ledger.run("export", exp_opts, [paths["export"]], lambda: call_stage("export", export.cli, exp_opts))

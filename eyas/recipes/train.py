@@ -183,10 +183,13 @@ def run_train(
             metrics.close()
     if stop_after and trainer.step < total:
         return {"stopped_at": trainer.step, "metrics": last}
-    if cfg.save_every:
+    timed_out = bool(progress.pop("timed_out", False)) and trainer.step < total
+    if cfg.save_every or timed_out:
         save_checkpoint(trainer, root, dict(progress), cfg.keep_checkpoints)
     state = trainer.draft_state()  # collective under FSDP
-    result = {"format": "eyas.train/1", "options_sha256": options_sha, "draft": "draft", "steps": trainer.step,
+    # a run cut by --max-time leaves its draft but is not up to date: a rerun with --resume finishes it
+    result = {"format": "eyas.train/1", "options_sha256": None if timed_out else options_sha, "draft": "draft",
+              "complete": not timed_out, "steps": trainer.step, "total_steps": total,
               "tokens": progress.get("tokens", 0), "seconds": time.perf_counter() - t0, "final": last,
               "options": options}
     if info.is_main:
@@ -198,6 +201,9 @@ def run_train(
         atomic_write_json(mpath, result)
         say(f"draft saved to {out / 'draft'} ({trainer.step} steps, final loss {last.get('loss', float('nan')):.3f}, "
             f"tau_sim {last.get('tau_sim', float('nan')):.2f})")
+        if timed_out:
+            say(f"stopped by --max-time {cfg.max_time:g}s after {trainer.step}/{total} steps (the learning rate had not "
+                "decayed yet); the same command with --resume finishes the schedule")
     D.barrier()
     if eng is not None and engine_obj is None:
         eng.close()
@@ -228,6 +234,9 @@ def cli(
     grad_clip: float = typer.Option(0.5, "--grad-clip", help="Gradient norm clipping. [default: 0.5]"),
     save_every: int = typer.Option(1000, "--save-every", help="Checkpoint every N optimizer steps and at the end "
                                    "(0 = never; then --resume has nothing to resume from). [default: 1000]"),
+    max_time: float = typer.Option(0, "--max-time", help="Wall-clock budget in seconds: past it, the run stops at the "
+                                   "next log step, saves a checkpoint and writes the draft as it stands (--resume "
+                                   "continues it). 0 = none. [default: 0]"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUT/train_state. "
                                 "[default: off]"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp32. [default: auto]"),
@@ -253,7 +262,7 @@ def cli(
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
                   aux_layer_ids=ids, resume=resume, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
-                  save_every=save_every, dtype=dtype, fsdp=fsdp, attention=attention,
+                  save_every=save_every, max_time=max_time, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on", log_every=log_every, seed=seed,
                   num_workers=num_workers, report_to=report_to, device=device)
     finally:

@@ -57,6 +57,7 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # > 0 overrides epochs
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    max_time: float = 0  # seconds; > 0: stop at the first log step past it, checkpoint, write the draft
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 0
@@ -457,6 +458,8 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
             progress_state.update(epoch=nxt[0], step_in_epoch=nxt[1], tokens=tokens_total)
             bar.update(task, completed=trainer.step, tokens=session_tokens)
             is_last = trainer.step >= total_steps or (stop_after and trainer.step >= stop_after)
+            if cfg.max_time and trainer.step % cfg.log_every == 0 and not is_last:
+                is_last = progress_state["timed_out"] = D.broadcast_object(time.perf_counter() - t0 >= cfg.max_time)
             if trainer.step % cfg.log_every == 0 or is_last:
                 m = summarize(trainer.window, trainer.weights)  # the one host sync of a log interval
                 now = time.perf_counter()
