@@ -66,6 +66,24 @@ def test_groups_that_fit_a_memory_budget_decode_the_same():
     assert split.generate(PROMPTS, 10, [STOP], pad_id=0) == whole
 
 
+def test_a_group_that_runs_out_of_memory_is_halved_and_decodes_the_same(monkeypatch):
+    """Out of memory in a group (activations beyond the cache estimate): it is split, not fatal."""
+    model = tiny_llama()
+    dec = GraphDecoder(model)
+    whole = dec.generate(PROMPTS, 10, [STOP], pad_id=0)
+    real, sizes = GraphDecoder._generate_group, []
+
+    def tight(self, prompts, *args, **kwargs):  # a device that holds at most 2 rows at a time
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(GraphDecoder, "_generate_group", tight)
+    assert dec.generate(PROMPTS, 10, [STOP], pad_id=0) == whole
+    assert sizes == [4, 2, 2]
+
+
 def test_sampling_is_seeded_and_its_limits_work():
     model = tiny_llama()
     dec = GraphDecoder(model)

@@ -174,8 +174,17 @@ class GraphDecoder:
         torch.manual_seed(seed)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a group
         replies: list[list[int]] = [[] for _ in prompts]
-        for group in self._groups(order, prompts, max_new_tokens):
-            outs = self._generate_group([prompts[i] for i in group], max_new_tokens, stop_ids, pad_id, sampler)
+        todo = list(self._groups(order, prompts, max_new_tokens))
+        while todo:
+            group = todo.pop(0)
+            try:
+                outs = self._generate_group([prompts[i] for i in group], max_new_tokens, stop_ids, pad_id, sampler)
+            except torch.OutOfMemoryError:
+                if len(group) == 1:
+                    raise
+                torch.cuda.empty_cache()  # the estimate left too little for activations: halve the group
+                todo[:0] = [group[: len(group) // 2], group[len(group) // 2:]]
+                continue
             for i, o in zip(group, outs, strict=True):
                 replies[i] = o
         return replies
