@@ -265,6 +265,14 @@ class StaticRegenerator(Regenerator):
         super().__init__(model, tokenizer, sampling, max_length)
         self.decoder = GraphDecoder(model)
         self.sampler = Sampler(sampling.temperature, sampling.top_p, sampling.top_k)
+        # refuse up front, before any batch: a window the longest sequence outgrows, or a transformers
+        # version whose internals no longer match the engine (its logits checked on a real prompt)
+        if self.decoder.window and self.decoder.window < max_length:
+            raise EyasError(f"--engine static does not mask sliding windows ({self.decoder.window} tokens < "
+                            f"--max-length {max_length}); use --engine generate")
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "Hello! Who are you?"}], tokenize=False,
+                                              add_generation_prompt=True)
+        self.decoder.check_model(tokenizer(probe, add_special_tokens=False)["input_ids"])
 
     def _decode(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         return self.decoder.generate(prompts, self.sampling.max_new_tokens, self.eos, self.tok.pad_token_id,
@@ -296,6 +304,19 @@ class VllmRegenerator(Regenerator):
                 toks.append(self.eos[0])  # vLLM may leave the stop token out; _close_turn looks for it
             replies.append(toks)
         return replies
+
+
+def _round_engine(engine: str, asked: str, model: Any, tokenizer: Any, sampling: Sampling,
+                  max_length: int) -> Regenerator:
+    """The engine "generate" or "static"; "auto" falls back to generate when static refuses the model."""
+    if engine == "static":
+        try:
+            return StaticRegenerator(model, tokenizer, sampling, max_length)
+        except EyasError as e:
+            if asked != "auto":
+                raise
+            typer.echo(f"note: {e}: falling back to transformers' generate", err=True)
+    return Regenerator(model, tokenizer, sampling, max_length)
 
 
 def _stop_ids(eos: int | list[int] | None, tokenizer: Any) -> list[int]:
@@ -370,6 +391,7 @@ def run_regenerate(
         raise EyasError("--batch-size and --window must be >= 1")
     if engine not in ENGINES:
         raise EyasError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    asked = engine
     if engine == "auto":  # the CUDA-graph engine where it pays (a GPU); on a CPU both run at the same speed
         engine = "static" if run_device.type == "cuda" else "generate"
     out = Path(out)
@@ -449,7 +471,7 @@ def run_regenerate(
             Regenerator(model, tokenizer, sampling, max_length).stream(convs, batch_size, todo, window,
                                                                        sampling.seed, save)
         elif todo:
-            by_rounds((StaticRegenerator if engine == "static" else Regenerator)(model, tokenizer, sampling, max_length))
+            by_rounds(_round_engine(engine, asked, model, tokenizer, sampling, max_length))
     dt = time.perf_counter() - t0
 
     total = Stats()
