@@ -49,8 +49,8 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p < 1:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) > self.top_p  # keep the smallest prefix reaching top_p
+            sorted_probs = sorted_logits.softmax(-1)
+            drop = sorted_probs.cumsum(-1) - sorted_probs > self.top_p  # keep the smallest prefix reaching top_p
             logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
         probs = logits.softmax(-1)
         return (probs / torch.empty_like(probs).exponential_()).argmax(-1)  # a sample (exponential race)
@@ -138,7 +138,7 @@ def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * kv * hd * torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv * hd * dtype.itemsize
 
 
 class GraphDecoder:
