@@ -19,6 +19,7 @@ from eyas.store import HiddenStore
 from eyas.train.data import PackDataset, Plan, SampleSource, collate_pack, fill_states, plan_epoch
 from eyas.train.distributed import DistInfo
 from eyas.train.trainer import TrainConfig, Trainer
+from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,6 +178,9 @@ def test_max_time_stops_with_a_draft_and_resume_finishes_the_same_curve(data, tm
     w_full = Eagle3Draft.from_pretrained(tmp_path / "full" / "draft").state_dict()
     w_cut = Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").state_dict()
     assert all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
+    with pytest.raises(EyasError, match="--max-time must be >= 0"):
+        train(tmp_path / "neg", store, max_time=-5, **kw)
+    assert not (tmp_path / "neg").exists()
 
 
 def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):

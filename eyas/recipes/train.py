@@ -66,6 +66,8 @@ def run_train(
     )
 
     cfg = TrainConfig(**train_options)
+    if cfg.max_time < 0:
+        raise EyasError(f"--max-time must be >= 0 seconds (0 = no limit), got {cfg.max_time:g}")
     out = Path(out)
     info = D.init_distributed(cfg.device)
     say = log or (lambda msg: typer.echo(msg, err=True) if info.is_main else None)
