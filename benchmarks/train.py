@@ -158,6 +158,29 @@ def check_flex_vs_math(dev: torch.device) -> list[str]:
     return lines
 
 
+def check_graph_vs_eager(dev: torch.device, steps: int = 8) -> str:
+    """The same optimizer steps (bf16, compiled, packed documents) with and without CUDA graphs:
+    per-step losses and the final weights must agree (the graph replays the very same kernels)."""
+    shape = Shape("check", 256, 512, 4, 2, 64, 2000, 1000, 10000.0)
+    batches = [random_batch(shape, 1024, 3, pin=True, seed=i) for i in range(3)]
+    runs = {}
+    for graphed in (False, True):
+        draft, head = random_setup(shape, dev, seed=2)
+        cfg = TrainConfig(ttt_steps=4, token_budget=1024, dtype="bf16", compile=True, cuda_graph=graphed, lr=1e-3,
+                          warmup_steps=2)
+        trainer = Trainer(cfg, draft, head, DistInfo(device=dev), total_steps=steps)
+        losses = [trainer.train_step([batches[i % 3]])[:, 0].sum().item() for i in range(steps)]
+        state = {k: v.float() for k, v in trainer.draft_state().items()}
+        runs[graphed] = (losses, state, trainer.graphed is not None and trainer.graphed.graph is not None)
+        del trainer
+    (le, se, _), (lg, sg, captured) = runs[False], runs[True]
+    dl = max(abs(a - b) / max(abs(a), 1e-9) for a, b in zip(le, lg, strict=True))
+    dw = max(((sg[k] - se[k]).norm() / se[k].norm().clamp_min(1e-20)).item() for k in se)
+    ok = captured and dl < 1e-3 and dw < 1e-3
+    return (f"CUDA graph vs eager, {steps} steps: {'captured' if captured else 'NOT captured'}, max loss rel diff "
+            f"{dl:.1e}, weights rel diff {dw:.1e} -> {'PASS' if ok else 'FAIL'}")
+
+
 # -------------------------------------------------------------------------------------------------
 # throughput
 # -------------------------------------------------------------------------------------------------
@@ -169,12 +192,13 @@ def run_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-    compile_ = variant.startswith("compiled")
+    graphed = variant.startswith("graphed")
+    compile_ = graphed or variant.startswith("compiled")
     cuda = dev.type == "cuda"
     attention = "flex" if cuda and not variant.endswith("math") else "math"
     draft, head = random_setup(shape, dev)
     cfg = TrainConfig(ttt_steps=ttt, token_budget=T, dtype="bf16" if cuda else "fp32", compile=compile_,
-                      attention=attention, lr=1e-4, warmup_steps=1)
+                      cuda_graph=graphed and cuda, attention=attention, lr=1e-4, warmup_steps=1)
     trainer = Trainer(cfg, draft, head, DistInfo(device=dev), total_steps=10**6)
     del draft, head
     batches = [random_batch(shape, T, docs, pin=cuda, seed=i) for i in range(2)]
@@ -182,13 +206,13 @@ def run_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, 
         for b in batches:
             e = trainer.embed_table.index_select(0, b["input_ids"])
             b["input_embeds"] = e.pin_memory() if cuda else e
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    for i in range(warmup):
+    for i in range(warmup):  # graphed: eager steps, then the capture (counted in the peak: it holds the step)
         trainer.train_step([batches[i % 2]])
     sync(dev)
     compile_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     for i in range(steps):
         stats = trainer.train_step([batches[i % 2]])
@@ -209,14 +233,16 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: check that the script runs")
     ap.add_argument("--shapes", default="smol,llama8b")
     ap.add_argument("--tokens", default="2048,8192")
-    ap.add_argument("--variants", default="compiled,eager", help="compiled: torch.compile of the layer halves, "
-                    "final norm and loss chunk (+ compiled flex); eager: only flex compiled; compiled-math: "
-                    "attention with the scores written out (no flex; compare with the peer's SDPA figure)")
-    ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per case")
+    ap.add_argument("--variants", default="graphed,compiled", help="graphed: compiled, and each optimizer step "
+                    "replayed as one CUDA graph (the default on one GPU); compiled: torch.compile of the layer "
+                    "halves, final norm and loss chunk (+ compiled flex); eager: only flex compiled; "
+                    "compiled-math: attention with the scores written out (no flex; compare with the peer's SDPA "
+                    "figure)")
+    ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per case")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--docs", type=int, default=1, help="documents packed per row (1 = one sequence, as the peer)")
-    ap.add_argument("--no-check", action="store_true", help="skip the flex-vs-math gradient check")
+    ap.add_argument("--no-check", action="store_true", help="skip the flex-vs-math and CUDA-graph-vs-eager checks")
     args = ap.parse_args()
 
     if args.smoke:
@@ -240,6 +266,7 @@ def main() -> None:
             try:
                 for line in check_flex_vs_math(dev):
                     print(line)
+                print(check_graph_vs_eager(dev))
             except Exception:
                 print("flex vs math check FAILED to run:\n" + traceback.format_exc())
     else:

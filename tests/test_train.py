@@ -224,3 +224,23 @@ def test_online_training_follows_the_offline_curve(data, tmp_path):
     for a, b in zip(off, on, strict=True):  # stored states are bf16, online ones fp32: close, not equal
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-2
     assert not any((tmp_path / "on").rglob("shard-*.safetensors"))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_scale_and_clip_matches_torch_clipping_of_scaled_gradients(max_norm):
+    from eyas.train.trainer import scale_and_clip_
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 7)) for _ in range(3)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for p, q in zip(ours, ref, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    scale = torch.tensor(0.37)
+    torch._foreach_mul_([q.grad for q in ref], scale)
+    expect = torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=True)
+    norm = scale_and_clip_(ours, scale, max_norm)
+    assert torch.allclose(norm, expect, rtol=1e-6)
+    for p, q in zip(ours, ref, strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    assert (norm > max_norm) == (max_norm == 0.5)  # one case clips, the other does not

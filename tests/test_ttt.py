@@ -173,6 +173,30 @@ def test_ttt_attention_document_mask_flex_equals_math():
     assert torch.allclose(out[0, :, 11], v[0].repeat_interleave(2, 0)[:, 11], atol=1e-6)
 
 
+def test_reused_block_mask_follows_new_documents_in_place():
+    """What a CUDA-graphed step relies on (eyas.train.graphed): one block mask object whose mask
+    reads a fixed document-id buffer; a new batch's ids are written into that buffer and a fresh
+    mask's block tables copied in place. Flex over the reused mask == math over the new documents."""
+    from eyas.model.attention import document_block_mask
+    from eyas.train.graphed import _copy_block_mask
+
+    torch.manual_seed(1)
+    B, nh, nkv, T, hd = 1, 4, 2, 300, 8  # 3 blocks of 128: the block tables matter
+    docs = torch.zeros(1, T, dtype=torch.long)
+    docs[0, 200:] = 1
+    mask = document_block_mask(docs)  # built for the first batch's documents
+    new = torch.tensor([[0] * 40 + [1] * 150 + [2] * 60 + [3] * 50])
+    docs.copy_(new)
+    assert _copy_block_mask(mask, document_block_mask(docs))
+    q, k, v = torch.randn(B, nh, T, hd), torch.randn(B, nkv, T, hd), torch.randn(B, nkv, T, hd)
+    of = TTTAttention("flex", document_ids=docs, block_mask=mask)(q, k, v)
+    om = TTTAttention("math", document_ids=new.clone())(q, k, v)
+    assert rel(of, om) < 1e-5
+    stale = TTTAttention("flex", document_ids=docs, block_mask=document_block_mask(torch.zeros(1, T, dtype=torch.long)))
+    assert rel(stale(q, k, v), om) > 1e-2  # the check above can fail: a mask left as it was is wrong
+    assert not _copy_block_mask(mask, document_block_mask(torch.zeros(1, 2 * T, dtype=torch.long)))
+
+
 def test_target_distribution_chunks_and_masks():
     draft, head = make_setup(3)
     final = torch.randn(23, H)

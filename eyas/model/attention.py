@@ -7,6 +7,7 @@ q [B, nh, T, hd], k and v [B, nkv, T, hd] (grouped-query heads allowed) -> [B, n
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,19 +39,16 @@ class TTTAttention:
     and merges the few same-row keys of later steps through the returned log-sum-exp, so no key is
     ever copied or concatenated across steps, and every step calls the same compiled kernel with the
     same shapes; "auto" picks flex on CUDA. `steps` is accepted for compatibility and not needed.
+    `block_mask` (flex only): the mask of `document_ids` when the caller built it already.
     """
 
     def __init__(self, backend: str = "auto", steps: int | None = None,
-                 document_ids: torch.Tensor | None = None) -> None:
-        if backend == "auto":
-            backend = "flex" if torch.cuda.is_available() and _flex_available() else "math"
-        if backend not in ("math", "flex"):
-            raise ValueError(f"unknown TTT attention backend {backend!r} (math, flex, auto)")
-        self.backend = backend
+                 document_ids: torch.Tensor | None = None, block_mask: Any = None) -> None:
+        self.backend = resolve_ttt_backend(backend)
         self.document_ids = document_ids
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._block_mask = None
+        self._block_mask = block_mask  # flex: prebuilt for these document_ids (CUDA-graphed training)
         self._dense_mask: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -80,7 +78,7 @@ class TTTAttention:
         T = q.shape[2]
         if self._block_mask is None:
             self._block_mask = (_causal_block_mask(T, str(q.device)) if self.document_ids is None
-                                else _document_block_mask(self.document_ids.to(q.device)))
+                                else document_block_mask(self.document_ids.to(q.device)))
         out, lse = _flex_lse(q, self.keys[0], self.values[0], self._block_mask)
         if len(self.keys) == 1:
             return out
@@ -119,6 +117,15 @@ def _merge_same_row(q: torch.Tensor, out0: torch.Tensor, lse0: torch.Tensor, key
     for i, v in enumerate(values, start=1):
         out = out + v.unsqueeze(2) * w[..., i:i + 1]
     return out.to(q.dtype).view(B, nh, T, hd)
+
+
+def resolve_ttt_backend(backend: str) -> str:
+    """"auto" -> "flex" on CUDA (when this torch has it), else "math"; checks the name."""
+    if backend == "auto":
+        backend = "flex" if torch.cuda.is_available() and _flex_available() else "math"
+    if backend not in ("math", "flex"):
+        raise ValueError(f"unknown TTT attention backend {backend!r} (math, flex, auto)")
+    return backend
 
 
 @functools.cache
@@ -162,7 +169,7 @@ def _causal_block_mask(T: int, device: str):
     return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
-def _document_block_mask(document_ids: torch.Tensor):
+def document_block_mask(document_ids: torch.Tensor):
     """Causal within each document of `document_ids` [B, T]."""
     from torch.nn.attention.flex_attention import create_block_mask
 

@@ -248,6 +248,9 @@ def cli(
                                   "[default: auto]"),
     compile_: str = typer.Option("auto", "--compile", help="torch.compile the draft layer: auto (on for GPU), on, off. "
                                  "[default: auto]"),
+    cuda_graph: str = typer.Option("auto", "--cuda-graph", help="Replay each optimizer step as one CUDA graph "
+                                   "(one GPU, one micro-batch per step): auto (on with --compile), on, off. "
+                                   "[default: auto]"),
     log_every: int = typer.Option(10, "--log-every", help="Optimizer steps between log lines. [default: 10]"),
     seed: int = typer.Option(0, "--seed", help="Seed for the draft's init and the data order. [default: 0]"),
     num_workers: int = typer.Option(2, "--num-workers", help="DataLoader worker processes. [default: 2]"),
@@ -257,15 +260,17 @@ def cli(
                                    "[default: 2,N//2,N-3]"),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda. [default: auto]"),
 ) -> None:
-    if compile_ not in ("auto", "on", "off"):
-        raise EyasError("--compile must be auto, on or off")
+    for name, value in (("--compile", compile_), ("--cuda-graph", cuda_graph)):
+        if value not in ("auto", "on", "off"):
+            raise EyasError(f"{name} must be auto, on or off, got '{value}'")
     ids = [int(x) for x in aux_layers.split(",") if x.strip()] or None
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
                   aux_layer_ids=ids, resume=resume, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, dtype=dtype, fsdp=fsdp, attention=attention,
-                  compile=None if compile_ == "auto" else compile_ == "on", log_every=log_every, seed=seed,
+                  compile=None if compile_ == "auto" else compile_ == "on",
+                  cuda_graph=None if cuda_graph == "auto" else cuda_graph == "on", log_every=log_every, seed=seed,
                   num_workers=num_workers, report_to=report_to, device=device)
     finally:
         from eyas.train.distributed import cleanup

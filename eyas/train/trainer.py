@@ -25,7 +25,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from eyas.train.loss import target_distribution
 from eyas.train.ttt import TTTConfig, TTTModel, summarize
 from eyas.utils.devices import resolve_dtype
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json, read_json
+
+if TYPE_CHECKING:
+    from eyas.train.graphed import GraphedStep
 
 
 @dataclass
@@ -64,6 +67,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     attention: str = "auto"  # auto (flex on GPU) | flex | math
     compile: bool | None = None  # None = on for CUDA without FSDP
+    cuda_graph: bool | None = None  # each optimizer step one replayed CUDA graph; None = on with compile, 1 GPU
     offload_embedding: bool | None = None  # frozen embedding table on the host; None = on for CUDA
     fsdp: bool = False
     num_workers: int = 2
@@ -95,6 +99,17 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
     return f
+
+
+def scale_and_clip_(params: list[torch.Tensor], scale: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Multiply the gradients by `scale`, then clip them to `max_norm`, in ONE pass over them (the
+    norm of scaled gradients is `scale` times theirs). Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=scale.device)
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) * scale
+    torch._foreach_mul_(grads, scale * (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
 
 
 class MasterWeights:
@@ -169,9 +184,15 @@ class Trainer:
         self.model = model
         self.opt_params = opt_params
         fused = dev.type == "cuda" and self.mode != "fsdp"
-        self.opt = torch.optim.AdamW(opt_params, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8,
-                                     weight_decay=cfg.weight_decay, fused=fused or None,
-                                     foreach=None if fused else True)
+        # a CUDA graph needs the optimizer to read its step count and learning rate from the device
+        graphed = (cfg.cuda_graph if cfg.cuda_graph is not None else compile_) and fused and not info.distributed
+        self.opt = torch.optim.AdamW(opt_params, lr=torch.tensor(cfg.lr, device=dev) if graphed else cfg.lr,
+                                     betas=tuple(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay,
+                                     fused=fused or None, foreach=None if fused else True, capturable=graphed)
+        if graphed:
+            self.opt._warned_capturable_if_run_uncaptured = True  # the first steps run uncaptured on purpose
+            for g in self.opt.param_groups:
+                g["initial_lr"] = cfg.lr  # a float: the scheduler then never reads the device tensor back
         warmup = cfg.warmup_steps or max(1, round(cfg.warmup_ratio * total_steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
 
@@ -185,6 +206,11 @@ class Trainer:
         S = cfg.ttt_steps
         self.window = torch.zeros(S, 3, dtype=torch.float32, device=dev)  # stats since the last log
         self.last_norm = torch.zeros((), device=dev)
+        self.graphed: GraphedStep | None = None
+        if graphed:
+            from eyas.train.graphed import GraphedStep
+
+            self.graphed = GraphedStep(self)
 
     # ------------------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -194,35 +220,50 @@ class Trainer:
         nb = self.device.type == "cuda"
         return {k: (v.to(self.device, non_blocking=nb) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
-    def forward_batch(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss sum, stats [S, 3]) of one packed micro-batch; builds the graph for backward."""
-        b = self._to_device(batch)
+    def with_embeds(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch with the frozen embeddings of its tokens, when the table lives on the host and
+        the data pipeline did not look them up already (online mode, benchmarks)."""
+        if self.embed_table is None or "input_embeds" in batch:
+            return batch
+        emb = self.embed_table.index_select(0, batch["input_ids"].cpu())  # [N, H]
+        return {**batch, "input_embeds": emb.pin_memory() if self.device.type == "cuda" else emb}
+
+    def forward_batch(self, batch: dict[str, Any], block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, stats [S, 3]) of one packed micro-batch; builds the graph for backward.
+        `block_mask`: flex attention's mask of the batch's documents, prebuilt (eyas.train.graphed)."""
+        b = self._to_device(self.with_embeds(batch))
         final = b["final_hidden"].to(self.dtype)
         with torch.no_grad():
             tgt = target_distribution(self.head, final, self.vocab_ids, self.t2d_index,
                                       pad_rows=self.cfg.ttt_steps + 1, dtype=self.dtype)
         docs = b["document_ids"][None] if b["multi_doc"] else None
-        emb = None
-        if self.embed_table is not None:
-            emb = b.get("input_embeds")
-            if emb is None:  # not looked up by the data pipeline (online mode, benchmarks)
-                emb = self.embed_table.index_select(0, batch["input_ids"].cpu())
-                emb = (emb.pin_memory() if self.device.type == "cuda" else emb).to(self.device, non_blocking=True)
-            emb = emb[None].to(self.dtype)
+        emb = None if self.embed_table is None else b["input_embeds"][None].to(self.dtype)
         with self.autocast():
             return self.model(b["input_ids"][None], b["aux_hidden"][None].to(self.dtype), b["position_ids"][None],
-                              b["loss_mask"][None], tgt.probs, tgt.ids, docs, emb)
+                              b["loss_mask"][None], tgt.probs, tgt.ids, docs, emb, block_mask)
 
     def train_step(self, micro: list[dict[str, Any]]) -> torch.Tensor:
         """One optimizer step; returns this step's stats [S, 3] summed over ranks (device tensor)."""
         self.model.train()
+        if self.graphed is not None and len(micro) == 1:
+            stats = self.graphed(micro[0])
+        else:
+            stats = self.update(micro)
+        self.sched.step()
+        self.step += 1
+        self.window += stats
+        return stats
+
+    def update(self, micro: list[dict[str, Any]], block_mask: Any = None) -> torch.Tensor:
+        """Forward and backward of each micro-batch, gradient scaling, clipping and the optimizer
+        update: device work only, no host sync, so one micro-batch's update can be graph-captured."""
         stats = torch.zeros_like(self.window)
         # master weights sum micro-batch gradients in fp32, so under DDP each one is reduced
         sync_each = self.master is not None and self.info.distributed and self.mode != "fsdp"
         for m, batch in enumerate(micro):
             last = m == len(micro) - 1
             with D.gradient_sync(self.model, last or sync_each):
-                loss, st = self.forward_batch(batch)
+                loss, st = self.forward_batch(batch, block_mask)
                 loss.backward()
             stats += st
             if self.master is not None and len(micro) > 1:
@@ -234,17 +275,17 @@ class Trainer:
         D.all_reduce_sum_(stats)
         # DDP/FSDP averaged the gradients over ranks; make them sum / (global valid step-0 rows)
         scale = self.info.world / stats[0, 2].clamp(min=1.0)
-        grads = [D.local_tensor(p.grad) for p in self.opt_params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
-        self.last_norm = torch.nn.utils.clip_grad_norm_(self.opt_params, self.cfg.grad_clip, foreach=True)
+        if self.mode == "fsdp":  # sharded gradients: torch's clipping reduces the norm across ranks
+            grads = [D.local_tensor(p.grad) for p in self.opt_params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
+            self.last_norm = torch.nn.utils.clip_grad_norm_(self.opt_params, self.cfg.grad_clip, foreach=True)
+        else:
+            self.last_norm = scale_and_clip_(self.opt_params, scale, self.cfg.grad_clip)
         self.opt.step()
-        self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         if self.master is not None:
             self.master.push()
-        self.step += 1
-        self.window += stats
         return stats
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -300,6 +341,14 @@ class Trainer:
                 for p, m in zip(self.master.params, self.master.master, strict=True):
                     m.copy_(draft_state[names[id(p)]])
         self.opt.load_state_dict(optim_state)
+        graphed = self.graphed is not None
+        for g in self.opt.param_groups:  # a checkpoint of a run with or without CUDA graphs fits either way
+            lr = float(g["lr"])
+            g["lr"] = torch.tensor(lr, device=self.device) if graphed else lr
+            g["initial_lr"] = float(g.get("initial_lr", self.cfg.lr))
+            g["capturable"] = graphed
+        if self.graphed is not None:
+            self.graphed.reset()  # new optimizer state tensors: capture again
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +513,7 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                 m = summarize(trainer.window, trainer.weights)  # the one host sync of a log interval
                 now = time.perf_counter()
                 rate = window_tokens / max(now - tw, 1e-9)
-                m.update(step=trainer.step, epoch=epoch, lr=trainer.sched.get_last_lr()[0],
+                m.update(step=trainer.step, epoch=epoch, lr=float(trainer.sched.get_last_lr()[0]),
                          grad_norm=float(trainer.last_norm.full_tensor() if hasattr(trainer.last_norm, "full_tensor")
                                          else trainer.last_norm),
                          tok_per_s=rate, tokens=tokens_total)

@@ -104,13 +104,14 @@ class TTTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
                 loss_mask: torch.Tensor, target_probs: torch.Tensor, target_ids: torch.Tensor,
-                document_ids: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                document_ids: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
+                block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids, loss_mask [B, T]; aux_hidden [B, T, k*H_t]; target_probs
         [B*T + pad, V_d] and target_ids [B*T + pad] (TargetDist, pad >= steps); document_ids [B, T]
         with ids unique across rows, or None (one document per row; padding at the end of a row
         needs no id of its own: causal attention never looks forward); input_embeds [B, T, H]: the
-        frozen embeddings of input_ids, when the trainer keeps the table off the device.
+        frozen embeddings of input_ids, when the trainer keeps the table off the device;
+        block_mask: flex attention's mask of document_ids, when the caller built it (CUDA graphs).
 
         Returns (loss: step-weighted CE summed over valid rows, fp32 scalar; stats [steps, 3] fp32:
         per step CE sum, correct count, valid count)."""
@@ -122,7 +123,7 @@ class TTTModel(nn.Module):
             docs = torch.arange(B, device=input_ids.device)[:, None].expand(B, T)
         valid = step_validity(loss_mask.reshape(-1), docs.reshape(-1), target_ids, S)  # [S, B*T]
         wvalid = valid.float() * self._step_weights(input_ids.device)[:, None]
-        attend = TTTAttention(self.cfg.attention, document_ids=document_ids)
+        attend = TTTAttention(self.cfg.attention, document_ids=document_ids, block_mask=block_mask)
         hidden = draft.fuse(aux_hidden)  # [B, T, H]
         outs = []
         for j in range(S):

@@ -1,0 +1,136 @@
+"""A whole optimizer step as one CUDA graph: forward of all TTT steps, the fused loss, backward,
+clipping and AdamW, replayed with a single launch.
+
+Why: a small draft (SmolLM2's: 576 wide) does little work per kernel, so an eager step is bound by
+the ~2,000 kernel launches and the Python that issues them (~55 ms per step at any length up to
+8k tokens on an H200). Replaying a captured graph removes both; a large draft gains the gaps
+between kernels.
+
+How, within what a graph allows (fixed addresses, fixed shapes, no host syncs):
+- every batch is copied into static device buffers (the trainer pads each packed row to its token
+  budget on a GPU, so shapes never change); a batch of another shape runs eagerly;
+- attention always takes the document path, and flex attention's block mask is rebuilt outside
+  the graph from the static document ids each step and copied into the captured mask's tensors;
+- AdamW is `capturable` with its learning rate in a device tensor that the scheduler fills;
+- the first `warmup` steps run eagerly on a side stream (they are real steps: torch.compile
+  builds its kernels, the optimizer its state), the next one is captured and then replayed.
+If capturing fails (an op that cannot be captured in some torch version), training goes on
+eagerly with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from eyas.model.attention import document_block_mask, resolve_ttt_backend
+
+if TYPE_CHECKING:
+    from eyas.train.trainer import Trainer
+
+# the batch tensors a step reads (input_embeds only when the embedding table is on the host)
+STATIC_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids", "aux_hidden", "final_hidden",
+               "input_embeds")
+
+
+class GraphedStep:
+    """`step(batch) -> stats [S, 3]`: Trainer.update of one micro-batch, replayed as a CUDA graph."""
+
+    def __init__(self, trainer: Trainer, warmup: int = 2) -> None:
+        self.trainer = trainer
+        self.warmup = warmup
+        self.flex = resolve_ttt_backend(trainer.cfg.attention) == "flex"
+        self.failed = False
+        self.static: dict[str, Any] | None = None
+        self.block_mask: Any = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the captured graph (the optimizer's state tensors were replaced)."""
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.stats: torch.Tensor | None = None
+        self.eager_left = self.warmup
+
+    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+        t = self.trainer
+        if self.failed:
+            return t.update([batch])
+        batch = t.with_embeds(batch)
+        if not self._load(batch):
+            return t.update([batch])  # another shape: this step runs eagerly
+        if self.graph is None:
+            if self.eager_left > 0:
+                self.eager_left -= 1
+                return self._on_side_stream(lambda: t.update([self.static], self.block_mask))
+            try:
+                self._capture()
+            except Exception as e:  # noqa: BLE001 -- any capture error: train on eagerly
+                warnings.warn(f"CUDA graph capture of the training step failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); training without graphs", stacklevel=2)
+                self.failed = True
+                self.graph = None
+                t.opt.zero_grad(set_to_none=True)
+                if t.master is not None:
+                    for m in t.master.master:
+                        m.grad = None
+                torch.cuda.synchronize(t.device)
+                return t.update([self.static], self.block_mask)
+        self.graph.replay()
+        return self.stats.clone()
+
+    def _load(self, batch: dict[str, Any]) -> bool:
+        """Copy the batch into the static buffers (allocated on first use); False if it does not fit."""
+        t = self.trainer
+        keys = [k for k in STATIC_KEYS if k in batch and (k != "input_embeds" or t.embed_table is not None)]
+        if self.static is None:
+            self.static = {k: torch.empty_like(batch[k], device=t.device) for k in keys}
+            self.static["multi_doc"] = True  # always the document path: one compiled kernel for every batch
+            self.docs = self.static["document_ids"][None]  # [1, N], the view the block mask reads
+        s = self.static
+        if any(k not in s or s[k].shape != batch[k].shape or s[k].dtype != batch[k].dtype for k in keys):
+            return False
+        for k in keys:
+            s[k].copy_(batch[k], non_blocking=True)
+        if self.flex:
+            fresh = document_block_mask(self.docs)
+            if self.block_mask is None:
+                self.block_mask = fresh
+            elif not _copy_block_mask(self.block_mask, fresh):
+                raise RuntimeError("flex attention block masks of one shape differ in layout; "
+                                   "train with --cuda-graph off")
+        return True
+
+    def _on_side_stream(self, fn: Any) -> Any:
+        """Eager steps before the capture run on a side stream, as capture requires (lazy cuBLAS
+        workspaces and the like get made on that stream, not inside the graph)."""
+        dev = self.trainer.device
+        side = self._side = getattr(self, "_side", None) or torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            out = fn()
+        main = torch.cuda.current_stream(dev)
+        main.wait_stream(side)
+        out.record_stream(main)  # made on the side stream, read on this one
+        return out
+
+    def _capture(self) -> None:
+        t = self.trainer
+        t.opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph, at fixed addresses
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: DataLoader pin-memory threads may use CUDA while this thread captures
+        with torch.cuda.graph(graph, stream=getattr(self, "_side", None), capture_error_mode="thread_local"):
+            self.stats = t.update([self.static], self.block_mask)
+        self.graph = graph
+        torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
+
+
+def _copy_block_mask(dst: Any, src: Any) -> bool:
+    """Copy every tensor of BlockMask `src` into `dst` in place; False if their layouts differ."""
+    pairs = [(a, vars(src).get(k)) for k, a in vars(dst).items() if isinstance(a, torch.Tensor)]
+    if any(not isinstance(b, torch.Tensor) or b.shape != a.shape for a, b in pairs):
+        return False
+    for a, b in pairs:
+        a.copy_(b)
+    return True
