@@ -166,3 +166,22 @@ def test_cli_exit_code_and_show(tmp_path, chat_file, monkeypatch, capsys):
     assert "⟦It is 0. <|im_end|>⟧" in out and "37" in err and "not_json" in err
     assert eyas("--out", str(tmp_path / "p"), "--show", "1") == 0  # look again without inputs: no rebuild
     assert "⟦It is 0. <|im_end|>⟧" in capsys.readouterr().out
+
+
+def test_output_to_a_log_file_gets_plain_progress_lines(tmp_path, chat_file, monkeypatch, capsys):
+    """stderr that is not a terminal (here: captured, as in `eyas ... 2> log`) gets status lines with
+    count, tok/s and elapsed time instead of a bar that is never redrawn."""
+    import re
+
+    from eyas.cli import main
+
+    monkeypatch.delenv("EYAS_NO_PROGRESS", raising=False)
+    monkeypatch.setenv("EYAS_PROGRESS_EVERY", "0")
+    monkeypatch.setattr(sys, "argv", ["eyas", "prepare", str(chat_file), "--out", str(tmp_path / "p"),
+                                      "--max-length", "512"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("prepare ")]
+    assert lines and re.fullmatch(r"prepare 37  [\d.]+k? tok/s  3 skipped  elapsed \d:\d\d:\d\d", lines[-1]), lines
+    assert all("━" not in ln for ln in lines)

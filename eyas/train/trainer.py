@@ -484,7 +484,7 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
     tokens_total = int(progress_state.get("tokens", 0))
     show = trainer.info.is_main
     bar = progress_bar(disable=None if show else True)
-    quiet_bar = bar.disable
+    quiet_bar = bar.disable and not getattr(bar, "prints_lines", False)  # then log a line per log step
     with bar:
         task = bar.add_task("train", total=total_steps, completed=trainer.step, tokens=0, info="")
         for epoch, step_in_epoch, micro in batches:

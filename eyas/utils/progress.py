@@ -31,13 +31,53 @@ class _TokenRate(ProgressColumn):
         return Text(unit, style="progress.data.speed")
 
 
+class LineProgress(Progress):
+    """For output that is not a terminal (a log file, a pipe, a batch job): no redrawn bar, but a
+    plain status line at most every `every` seconds and once at the end, with the same count,
+    tok/s, info, elapsed time and ETA a bar would show."""
+
+    prints_lines = True
+
+    def __init__(self, *columns: ProgressColumn, every: float, **kwargs) -> None:
+        super().__init__(*columns, disable=True, **kwargs)
+        self.every = every
+        self._printed: dict[int, float] = {}
+
+    def update(self, task_id, **kwargs) -> None:  # type: ignore[override]
+        super().update(task_id, **kwargs)
+        now = self.get_time()
+        if now - self._printed.get(task_id, -float("inf")) >= self.every:
+            self._print(task_id)
+
+    def advance(self, task_id, advance: float = 1) -> None:  # type: ignore[override]
+        self.update(task_id, advance=advance)
+
+    def stop(self) -> None:
+        for task in self.tasks:  # the final state, if it changed since the last line
+            if self._printed.get(task.id) != self.get_time():
+                self._print(task.id)
+        super().stop()
+
+    def _print(self, task_id) -> None:
+        task = self._tasks[task_id]
+        self._printed[task_id] = self.get_time()
+        count = f"{task.completed:,.0f}/{task.total:,.0f}" if task.total else f"{task.completed:,.0f}"
+        parts = [f"{task.description} {count}", _TokenRate().render(task).plain, str(task.fields.get("info", "")),
+                 f"elapsed {_clock(task.elapsed)}"]
+        if task.time_remaining is not None and not task.finished:
+            parts.append(f"eta {_clock(task.time_remaining)}")
+        print("  ".join(p for p in parts if p), file=sys.stderr, flush=True)
+
+
+def _clock(seconds: float | None) -> str:
+    s = int(seconds or 0)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def progress_bar(disable: bool | None = None) -> Progress:
-    """A rich Progress with count, tok/s, elapsed and ETA. Quiet when EYAS_NO_PROGRESS is set."""
-    if disable is None:
-        disable = bool(os.environ.get("EYAS_NO_PROGRESS")) or not sys.stderr.isatty() and bool(
-            os.environ.get("CI")
-        )
-    return Progress(
+    """A rich Progress with count, tok/s, elapsed and ETA: a live bar on a terminal, a status line
+    every EYAS_PROGRESS_EVERY seconds (default 30) otherwise; silent with EYAS_NO_PROGRESS set."""
+    columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -46,6 +86,10 @@ def progress_bar(disable: bool | None = None) -> Progress:
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
-        disable=disable,
-        transient=False,
     )
+    if disable is None:
+        if os.environ.get("EYAS_NO_PROGRESS"):
+            disable = True
+        elif not sys.stderr.isatty():
+            return LineProgress(*columns, every=float(os.environ.get("EYAS_PROGRESS_EVERY", "30")))
+    return Progress(*columns, disable=bool(disable), transient=False)
