@@ -43,8 +43,10 @@ class GraphedStep:
         self.warmup = warmup
         self.flex = resolve_ttt_backend(trainer.cfg.attention) == "flex"
         self.failed = False
-        self.static: dict[str, Any] | None = None
-        self.block_mask: Any = None
+        self.static: dict[str, Any] | None = None  # the batch buffers every replay reads
+        self.docs: torch.Tensor | None = None  # [1, N] view of the static document ids
+        self.block_mask: Any = None  # flex: the captured mask, refreshed in place
+        self._side: torch.cuda.Stream | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -72,9 +74,7 @@ class GraphedStep:
                 self.failed = True
                 self.graph = None
                 t.opt.zero_grad(set_to_none=True)
-                if t.master is not None:
-                    for m in t.master.master:
-                        m.grad = None
+                t.draft.zero_grad(set_to_none=True)
                 torch.cuda.synchronize(t.device)
                 return t.update([self.static], self.block_mask)
         self.graph.replay()
@@ -106,7 +106,7 @@ class GraphedStep:
         """Eager steps before the capture run on a side stream, as capture requires (lazy cuBLAS
         workspaces and the like get made on that stream, not inside the graph)."""
         dev = self.trainer.device
-        side = self._side = getattr(self, "_side", None) or torch.cuda.Stream(dev)
+        side = self._side = self._side or torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             out = fn()
@@ -120,7 +120,7 @@ class GraphedStep:
         t.opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph, at fixed addresses
         graph = torch.cuda.CUDAGraph()
         # thread_local: DataLoader pin-memory threads may use CUDA while this thread captures
-        with torch.cuda.graph(graph, stream=getattr(self, "_side", None), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=self._side, capture_error_mode="thread_local"):
             self.stats = t.update([self.static], self.block_mask)
         self.graph = graph
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from rich.progress import (
     BarColumn,
@@ -11,6 +12,7 @@ from rich.progress import (
     Progress,
     ProgressColumn,
     Task,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -38,27 +40,26 @@ class LineProgress(Progress):
 
     prints_lines = True
 
-    def __init__(self, *columns: ProgressColumn, every: float, **kwargs) -> None:
+    def __init__(self, *columns: ProgressColumn, every: float, **kwargs: Any) -> None:
         super().__init__(*columns, disable=True, **kwargs)
         self.every = every
         self._printed: dict[int, float] = {}
 
-    def update(self, task_id, **kwargs) -> None:  # type: ignore[override]
+    def update(self, task_id: TaskID, **kwargs: Any) -> None:  # type: ignore[override]
         super().update(task_id, **kwargs)
         now = self.get_time()
         if now - self._printed.get(task_id, -float("inf")) >= self.every:
             self._print(task_id)
 
-    def advance(self, task_id, advance: float = 1) -> None:  # type: ignore[override]
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
         self.update(task_id, advance=advance)
 
     def stop(self) -> None:
-        for task in self.tasks:  # the final state, if it changed since the last line
-            if self._printed.get(task.id) != self.get_time():
-                self._print(task.id)
+        for task in self.tasks:  # the final state
+            self._print(task.id)
         super().stop()
 
-    def _print(self, task_id) -> None:
+    def _print(self, task_id: TaskID) -> None:
         task = self._tasks[task_id]
         self._printed[task_id] = self.get_time()
         count = f"{task.completed:,.0f}/{task.total:,.0f}" if task.total else f"{task.completed:,.0f}"
