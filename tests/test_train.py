@@ -244,3 +244,10 @@ def test_scale_and_clip_matches_torch_clipping_of_scaled_gradients(max_norm):
     for p, q in zip(ours, ref, strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     assert (norm > max_norm) == (max_norm == 0.5)  # one case clips, the other does not
+
+
+def test_cuda_graph_asked_where_it_cannot_run_says_so_and_trains(data, tmp_path):
+    _, _, store = data
+    with pytest.warns(UserWarning, match="training without CUDA graphs"):
+        res = train(tmp_path / "g", store, max_steps=2, cuda_graph=True)
+    assert res["complete"] and res["steps"] == 2

@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,7 +186,11 @@ class Trainer:
         self.opt_params = opt_params
         fused = dev.type == "cuda" and self.mode != "fsdp"
         # a CUDA graph needs the optimizer to read its step count and learning rate from the device
-        graphed = (cfg.cuda_graph if cfg.cuda_graph is not None else compile_) and fused and not info.distributed
+        can_graph = fused and not info.distributed and cfg.grad_accum == 1  # fused: CUDA, no FSDP
+        graphed = (cfg.cuda_graph if cfg.cuda_graph is not None else compile_) and can_graph
+        if cfg.cuda_graph and not can_graph:
+            warnings.warn("--cuda-graph on needs one CUDA device, one process, no FSDP and --grad-accum 1; "
+                          "training without CUDA graphs", stacklevel=2)
         self.opt = torch.optim.AdamW(opt_params, lr=torch.tensor(cfg.lr, device=dev) if graphed else cfg.lr,
                                      betas=tuple(cfg.betas), eps=1e-8, weight_decay=cfg.weight_decay,
                                      fused=fused or None, foreach=None if fused else True, capturable=graphed)
