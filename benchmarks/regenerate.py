@@ -21,6 +21,7 @@ import argparse
 import time
 
 import torch
+from common import sync
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from eyas.assets import resolve_model
@@ -86,12 +87,10 @@ def main() -> None:
 
 
 def timed(dev: torch.device, fn, *args, **kwargs):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     t = time.perf_counter()
     out = fn(*args, **kwargs)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     return time.perf_counter() - t, out
 
 

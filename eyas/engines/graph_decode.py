@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import transformers
 
+from eyas.utils.devices import run_on_stream
 from eyas.utils.io import EyasError
 
 ATTN_NAME = "eyas_grouped"
@@ -311,13 +312,10 @@ class GraphDecoder:
         row is done (checked every 16 steps: the only host syncs)."""
         run, i = step, 0
         if graphs and count > 3:
+            side = torch.cuda.Stream(self.device)
             try:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):  # warm up (real steps) outside the capture
-                    step()
-                    step()
-                torch.cuda.current_stream(self.device).wait_stream(side)
+                for _ in range(2):  # warm up (real steps) outside the capture
+                    run_on_stream(side, step)
                 i = 2
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):

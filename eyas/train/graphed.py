@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eyas.model.attention import document_block_mask, resolve_ttt_backend
+from eyas.utils.devices import run_on_stream
 
 if TYPE_CHECKING:
     from eyas.train.trainer import Trainer
@@ -103,16 +104,11 @@ class GraphedStep:
         return True
 
     def _on_side_stream(self, fn: Any) -> Any:
-        """Eager steps before the capture run on a side stream, as capture requires (lazy cuBLAS
-        workspaces and the like get made on that stream, not inside the graph)."""
+        """Eager steps before the capture run on the stream the capture will use."""
         dev = self.trainer.device
-        side = self._side = self._side or torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            out = fn()
-        main = torch.cuda.current_stream(dev)
-        main.wait_stream(side)
-        out.record_stream(main)  # made on the side stream, read on this one
+        self._side = self._side or torch.cuda.Stream(dev)
+        out = run_on_stream(self._side, fn)
+        out.record_stream(torch.cuda.current_stream(dev))  # made on the side stream, read on this one
         return out
 
     def _capture(self) -> None:

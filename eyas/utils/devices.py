@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -10,6 +12,7 @@ from eyas.utils.io import EyasError
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
+T = TypeVar("T")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -31,3 +34,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in DTYPES:
         raise EyasError(f"unknown dtype '{dtype}'; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def run_on_stream(stream: torch.cuda.Stream, fn: Callable[[], T]) -> T:
+    """`fn()` on `stream`, ordered after the work already queued on the current stream and before
+    what comes next on it. CUDA graph capture wants its eager warm-up steps on a side stream, so the
+    workspaces libraries make lazily belong to that stream and not to the graph."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        out = fn()
+    current.wait_stream(stream)
+    return out
