@@ -185,3 +185,8 @@ def test_output_to_a_log_file_gets_plain_progress_lines(tmp_path, chat_file, mon
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("prepare ")]
     assert lines and re.fullmatch(r"prepare 37  [\d.]+k? tok/s  3 skipped  elapsed \d:\d\d:\d\d", lines[-1]), lines
     assert all("━" not in ln for ln in lines)
+    monkeypatch.setenv("EYAS_PROGRESS_EVERY", "soon")  # a bad setting: a clear error, not a traceback
+    monkeypatch.setattr(sys, "argv", ["eyas", "prepare", str(chat_file), "--out", str(tmp_path / "q")])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2 and "EYAS_PROGRESS_EVERY='soon'" in capsys.readouterr().err

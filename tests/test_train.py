@@ -207,6 +207,8 @@ def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):
     assert again.exit_code == 0 and "up to date" in again.output
     bad = CliRunner().invoke(app, ["train", "--prepared", str(prepared), "--out", str(out)])
     assert bad.exit_code != 0 and "--online" in str(bad.exception or bad.output)
+    bad = CliRunner().invoke(app, [*args, "--cuda-graph", "maybe"])
+    assert bad.exit_code != 0 and "--cuda-graph must be auto, on or off" in str(bad.exception or bad.output)
 
 
 def test_online_training_follows_the_offline_curve(data, tmp_path):

@@ -19,6 +19,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from eyas.utils.io import EyasError
+
 
 class _TokenRate(ProgressColumn):
     """Shows `fields['tokens'] / elapsed` so every long stage reports tok/s."""
@@ -70,6 +72,18 @@ class LineProgress(Progress):
         print("  ".join(p for p in parts if p), file=sys.stderr, flush=True)
 
 
+def _seconds_between_lines() -> float:
+    raw = os.environ.get("EYAS_PROGRESS_EVERY", "30")
+    try:
+        every = float(raw)
+    except ValueError:
+        every = -1.0
+    if not every >= 0:
+        raise EyasError(f"EYAS_PROGRESS_EVERY={raw!r}: set it to the seconds between progress lines (e.g. 30), "
+                        "or unset it")
+    return every
+
+
 def _clock(seconds: float | None) -> str:
     s = int(seconds or 0)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -92,5 +106,5 @@ def progress_bar(disable: bool | None = None) -> Progress:
         if os.environ.get("EYAS_NO_PROGRESS"):
             disable = True
         elif not sys.stderr.isatty():
-            return LineProgress(*columns, every=float(os.environ.get("EYAS_PROGRESS_EVERY", "30")))
+            return LineProgress(*columns, every=_seconds_between_lines())
     return Progress(*columns, disable=bool(disable), transient=False)
