@@ -1,7 +1,8 @@
-"""eyas.engines.graph_decode: batched decoding over a static KV cache writes what transformers'
-`generate` writes one prompt at a time (greedy, fp32), samples reproducibly, and refuses a model or
-a transformers version whose internals break its contract. (The CUDA-graph replay itself needs a GPU:
-benchmarks/regenerate.py checks it there against the same eager step.)"""
+"""eyas.engines.graph_decode: continuous batching over static KV caches writes what transformers'
+`generate` writes one prompt at a time (greedy, fp32) whatever the lanes and however rows are reused,
+samples reproducibly, and refuses a model or a transformers version whose internals break its
+contract. (The CUDA-graph replay itself needs a GPU: benchmarks/regenerate.py checks it there
+against the same eager steps.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import transformers as tf
 
-from eyas.engines.graph_decode import GraphDecoder, Sampler, StaticKV
+from eyas.engines.graph_decode import GraphDecoder, Lane, Sampler
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,55 +48,80 @@ def one_at_a_time(model, prompts, max_new, stop):
 def test_greedy_equals_generate_one_prompt_at_a_time(make):
     model = make()
     want = one_at_a_time(model, PROMPTS, 20, STOP)
-    dec = GraphDecoder(model)
-    got = dec.generate(PROMPTS, 20, [STOP], pad_id=0)
-    assert dec.checked and got == want
+    dec = GraphDecoder(model, 40, 20, [STOP], pad_id=0)
+    got = dec.generate(PROMPTS)
+    assert dec.checked and got == want and not dec.busy()
     assert model.config._attn_implementation == "sdpa"  # the model's own attention is back afterwards
     # a stop token ends a reply and is kept: pick one the model really produces mid-reply
     stop = want[0][4]
-    cut = dec.generate(PROMPTS, 20, [stop], pad_id=0)
+    cut = GraphDecoder(model, 40, 20, [stop], pad_id=0).generate(PROMPTS)
     assert cut == one_at_a_time(model, PROMPTS, 20, stop) and cut[0][-1] == stop and len(cut[0]) <= 5
 
 
-def test_groups_that_fit_a_memory_budget_decode_the_same():
+def test_rows_are_reused_across_lanes_and_decode_the_same():
+    """Three rows for eight prompts, in two lanes: short prompts take the short lane's row (or spill
+    to the long lane when it is taken), long ones wait for the long lane's rows; every reply is
+    still what generate writes for its prompt alone."""
     model = tiny_llama()
-    whole = GraphDecoder(model).generate(PROMPTS, 10, [STOP], pad_id=0)
-    per_row = 2 * 2 * 2 * 16 * 4 * (12 + 10)  # k+v, 2 layers, 2 kv heads, head_dim 16, fp32, longest row
-    split = GraphDecoder(model, max_cache_bytes=2 * per_row)  # at most two rows per group
-    assert len(list(split._groups(list(range(4)), PROMPTS, 10))) >= 2
-    assert split.generate(PROMPTS, 10, [STOP], pad_id=0) == whole
+    prompts = [p[:3] for p in PROMPTS] + PROMPTS  # lengths 3, 2, 3, 3, 8, 2, 12, 5
+    want = one_at_a_time(model, prompts, 10, STOP)
+    dec = GraphDecoder(model, 24, 10, [STOP], pad_id=0, lanes=[(16, 1), (24, 2)], steps_per_poll=3)
+    for i, p in enumerate(prompts):
+        dec.submit(i, p)
+    got, first = {}, True
+    while dec.busy():
+        for key, toks in dec.poll():
+            got[key] = toks
+        if first:  # prompt 0 took the short row, 1 and 2 spilled to the long lane, the rest waited
+            short, long = dec.lanes
+            assert short.keys == [0] and long.keys == [1, 2], (short.keys, long.keys)
+            first = False
+    assert [got[i] for i in range(len(prompts))] == want
 
 
-def test_a_group_that_runs_out_of_memory_is_halved_and_decodes_the_same(monkeypatch):
-    """Out of memory in a group (activations beyond the cache estimate): it is split, not fatal."""
+def test_waiting_prompts_take_free_rows_by_rank():
+    """A lower rank is admitted first (regenerate ranks a turn by its conversation's place, so the
+    earliest conversations finish and are saved first), whatever the order of submission."""
     model = tiny_llama()
-    dec = GraphDecoder(model)
-    whole = dec.generate(PROMPTS, 10, [STOP], pad_id=0)
-    real, sizes = GraphDecoder._generate_group, []
+    dec = GraphDecoder(model, 40, 6, [STOP], pad_id=0, lanes=[(40, 2)], steps_per_poll=2)
+    for key, rank in (("late", 9), ("early", 1), ("unranked", None), ("middle", 5)):
+        dec.submit(key, PROMPTS[0], rank=rank)
+    dec.poll()
+    assert dec.lanes[0].keys == ["early", "unranked"]  # "unranked" has rank 2: its submission number
+    assert [q[2] for q in dec.queue] == ["middle", "late"]
 
-    def tight(self, prompts, *args, **kwargs):  # a device that holds at most 2 rows at a time
-        sizes.append(len(prompts))
-        if len(prompts) > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(GraphDecoder, "_generate_group", tight)
-    assert dec.generate(PROMPTS, 10, [STOP], pad_id=0) == whole
-    assert sizes == [4, 2, 2]
+def test_prompts_that_do_not_fit_are_refused():
+    dec = GraphDecoder(tiny_llama(), 16, 10, [STOP], pad_id=0)
+    with pytest.raises(EyasError, match="a prompt of 7 tokens \\+ 10 new ones does not fit in max_length 16"):
+        dec.submit(0, [1] * 7)
+    with pytest.raises(EyasError, match="must include one of length >= 16"):
+        GraphDecoder(tiny_llama(), 16, 4, [STOP], pad_id=0, lanes=[(8, 2)])
+
+
+def test_default_lanes_split_the_memory_budget():
+    model = tiny_llama()
+    per_token = 2 * 2 * 2 * 16 * 4  # k+v, 2 layers, 2 kv heads, head_dim 16, fp32
+    dec = GraphDecoder(model, 2048, 256, [STOP], pad_id=0, max_cache_bytes=2048 * per_token * 100)
+    assert dec.lane_shapes == [(512, 60), (1024, 70), (2048, 50)]
+    assert GraphDecoder(model, 2048, 256, [STOP], 0).lane_shapes == [(2048, 16)]  # a CPU without a budget
 
 
 def test_sampling_is_seeded_and_its_limits_work():
     model = tiny_llama()
-    dec = GraphDecoder(model)
+
+    def gen(sampler=None, seed=0):
+        return GraphDecoder(model, 40, 12, [STOP], 0, sampler, lanes=[(40, 3)]).generate(PROMPTS, seed)
+
     hot = Sampler(temperature=1.5)
-    a = dec.generate(PROMPTS, 12, [STOP], 0, hot, seed=1)
-    assert a == dec.generate(PROMPTS, 12, [STOP], 0, hot, seed=1)
-    assert a != dec.generate(PROMPTS, 12, [STOP], 0, hot, seed=2)
-    greedy = dec.generate(PROMPTS, 12, [STOP], 0)
+    a = gen(hot, seed=1)
+    assert a == gen(hot, seed=1)
+    assert a != gen(hot, seed=2)
+    greedy = gen()
     assert a != greedy
     # keeping only the top token (by count or by mass) is greedy whatever the temperature
-    assert dec.generate(PROMPTS, 12, [STOP], 0, Sampler(temperature=1.5, top_k=1), seed=3) == greedy
-    assert dec.generate(PROMPTS, 12, [STOP], 0, Sampler(temperature=1.5, top_p=1e-6), seed=3) == greedy
+    assert gen(Sampler(temperature=1.5, top_k=1), seed=3) == greedy
+    assert gen(Sampler(temperature=1.5, top_p=1e-6), seed=3) == greedy
     # top-k 5: every sampled token is among the 5 likeliest at its step
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]).repeat(2000, 1)
     picks = Sampler(temperature=1.0, top_k=5)(logits)
@@ -107,28 +133,28 @@ def test_sampling_is_seeded_and_its_limits_work():
 def test_a_broken_cache_contract_is_caught_before_decoding(monkeypatch):
     """If a transformers version stops honouring the cache or the mask, the self-check refuses."""
     model = tiny_llama()
-    real = StaticKV.update
+    real = Lane.update
 
-    def misplaced(self, key, value, layer_idx, *args, **kwargs):  # keys written one slot too far
+    def misplaced(self, key, value, layer_idx, *args, **kwargs):  # decode keys written one slot too far
         self.pos += 1
         try:
             return real(self, key, value, layer_idx)
         finally:
             self.pos -= 1
 
-    monkeypatch.setattr(StaticKV, "update", misplaced)
+    monkeypatch.setattr(Lane, "update", misplaced)
     with pytest.raises(EyasError, match="differ from a plain forward.*--engine generate"):
-        GraphDecoder(model).generate(PROMPTS, 4, [STOP], pad_id=0)
+        GraphDecoder(model, 40, 4, [STOP], pad_id=0).generate(PROMPTS)
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_sliding_windows_are_refused_once_a_sequence_outgrows_them():
+def test_sliding_windows_are_refused_when_sequences_can_outgrow_them():
     cfg = tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            num_key_value_heads=1, vocab_size=50, sliding_window=16)
     torch.manual_seed(0)
     model = tf.MistralForCausalLM(cfg).eval()
-    dec = GraphDecoder(model)
     short = [[3, 4, 5]]
-    assert dec.generate(short, 8, [STOP], 0) == one_at_a_time(model, short, 8, STOP)  # 11 tokens: inside the window
-    with pytest.raises(EyasError, match="sliding-window attention \\(16 tokens\\).*reaches 17"):
-        dec.generate([[3] * 9], 8, [STOP], 0)
+    got = GraphDecoder(model, 16, 8, [STOP], 0).generate(short)
+    assert got == one_at_a_time(model, short, 8, STOP)  # 11 tokens: inside the window
+    with pytest.raises(EyasError, match="sliding-window attention \\(16 tokens\\).*--max-length 17"):
+        GraphDecoder(model, 17, 8, [STOP], 0)

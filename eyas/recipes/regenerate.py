@@ -3,8 +3,9 @@
 The draft learns to predict the target, so training text written by the target matches what it
 will see when serving. Every conversation keeps its structure (system prompt, user turns, number
 and order of turns); each assistant turn is replaced by the target's own reply to the conversation
-so far (earlier turns already rewritten). Generation is batched with transformers; sampling is
-seeded per batch, so a run killed at any point and started again writes the same file.
+so far (earlier turns already rewritten). Work is saved in batches of conversations, so a run
+killed at any point resumes from its last saved batch; greedy runs (and sampled ones with the
+round-by-round engines, seeded per batch) then write the same file as an uninterrupted run.
 
 The output is JSONL of {"messages": [{"role", "content"}, ...]} (OpenAI style), which `eyas prepare`
 reads; OUT.manifest.json records the options, and a rerun with the same inputs and options reuses it.
@@ -93,14 +94,13 @@ def _new_stats() -> dict[str, int]:
 class Regenerator:
     """Rewrites assistant turns with one model and its tokenizer.
 
-    Engines: "generate" runs transformers' `generate` on padded batches, turn by turn across a batch
-    (any transformers version, bit-reproducible sampling); "static" (StaticRegenerator) decodes the same
-    rounds over a static cache with CUDA graphs; "vllm" (VllmRegenerator) sends each such
-    round to vLLM at once; "continuous" streams every turn through transformers' continuous batching
-    (paged KV cache), so a finished reply frees its slot at once and the next turn of its conversation
-    starts right away. Continuous batching pays off with a flash-attention kernel; with transformers'
-    paged-SDPA fallback (no flash-attn installed) it measured slower than "generate" on an H200
-    (docs/benchmarks.md).
+    Engines: "generate" (this class) runs transformers' `generate` on padded batches, turn by turn across
+    a batch (any transformers version, bit-reproducible sampling); "vllm" (VllmRegenerator) sends each
+    such round to vLLM at once. The streaming engines keep many conversations in flight, each with its
+    next turn queued as soon as its last reply ends: "static" (StaticRegenerator) on eyas' own continuous
+    batching over static KV caches with CUDA-graph decode steps, "continuous" (ContinuousRegenerator) on
+    transformers' continuous batching (paged KV cache; it pays off only with a flash-attention kernel:
+    with the paged-SDPA fallback it measured slower than "generate" on an H200, docs/benchmarks.md).
     """
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, max_length: int = 4096,
@@ -149,6 +149,12 @@ class Regenerator:
 
     # -- engines "generate" and "vllm": one round of turns at a time ---------------------------------
 
+    def run(self, convs: list[list[dict]], chunk: int, todo: list[int], seed: int, on_chunk: Any) -> None:
+        """Rewrite chunks `todo` (of `chunk` conversations each), calling `on_chunk(b, conversations,
+        stats)` as each is done; sampling is seeded per chunk, so a resumed run writes the same file."""
+        for b in todo:
+            on_chunk(b, *self.batch(convs[b * chunk:(b + 1) * chunk], seed=seed * 1_000_003 + b))
+
     def batch(self, convs: list[list[dict]], seed: int) -> tuple[list[list[dict] | None], dict]:
         """Rewrite every assistant turn of `convs`, turn by turn across the batch.
 
@@ -178,13 +184,61 @@ class Regenerator:
                                   eos_token_id=self.eos, **self.sampling.generate_kwargs())
         return out[:, ids.shape[1]:].tolist()  # [B, <=max_new_tokens]
 
-    # -- engine "continuous": transformers' continuous batching ------------------------------------
+    # -- the streaming engines: every conversation's next turn queued as soon as its last reply ends --
 
-    def stream(self, convs: list[list[dict]], chunk: int, todo: list[int], window: int, seed: int,
-               on_chunk: Any) -> None:
-        """Rewrite chunks `todo` (of `chunk` conversations each) with up to `window` conversations in
-        flight; `on_chunk(b, conversations, stats)` runs as soon as chunk b and all before it are done.
-        (No inference_mode here: the manager's worker thread updates its buffers outside of it.)"""
+    def _stream(self, engine: Any, convs: list[list[dict]], chunk: int, todo: list[int], window: int,
+                on_chunk: Any) -> None:
+        """Rewrite chunks `todo` with up to `window` conversations in flight, one turn of each at a time in
+        `engine` (`submit(key, prompt ids, rank)`; `poll()` -> [(key, reply ids)]); `on_chunk` runs as soon
+        as chunk b and all before it are done, so the saved file keeps the input order. A turn is ranked by
+        its conversation's place in the input, so earlier conversations finish (and are saved) first."""
+        order = iter([i for b in todo for i in range(b * chunk, min((b + 1) * chunk, len(convs)))])
+        work: dict[int, _Conversation] = {}
+        stats = {b: _new_stats() for b in todo}
+        left = {b: min((b + 1) * chunk, len(convs)) - b * chunk for b in todo}
+        results: dict[int, list[dict] | None] = {}
+        flying: dict[str, tuple[int, int]] = {}  # request key -> (conversation, turn)
+        emit = list(todo)  # chunks in order, written as soon as complete
+
+        def advance(i: int) -> None:
+            """Queue conversation i's next turn, or finish it."""
+            b = i // chunk
+            opened = self._open_turn(work[i], stats[b])
+            if opened is not None:
+                key = f"c{i}t{opened[0]}"
+                engine.submit(key, opened[1], rank=i)
+                flying[key] = (i, opened[0])
+                return
+            results[i] = self._finish(work.pop(i), stats[b])
+            left[b] -= 1
+            while emit and left[emit[0]] == 0:
+                e = emit.pop(0)
+                lo, hi = e * chunk, min((e + 1) * chunk, len(convs))
+                on_chunk(e, [results.pop(k) for k in range(lo, hi)], stats.pop(e))
+
+        while True:
+            while len(work) < window and (i := next(order, None)) is not None:
+                work[i] = _Conversation(convs[i])
+                advance(i)
+            if not flying:
+                break
+            for key, toks in engine.poll():
+                if key in flying:
+                    i, j = flying.pop(key)
+                    self._close_turn(work[i], j, toks, stats[i // chunk])
+                    advance(i)
+
+
+class ContinuousRegenerator(Regenerator):
+    """Engine "continuous": every turn streamed through transformers' continuous batching (greedy runs
+    reproduce; sampled ones depend on scheduling). `window` conversations are in flight at once."""
+
+    def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, max_length: int, window: int) -> None:
+        super().__init__(model, tokenizer, sampling, max_length)
+        self.window = window
+
+    def run(self, convs: list[list[dict]], chunk: int, todo: list[int], seed: int, on_chunk: Any) -> None:
+        # (no inference_mode here: the manager's worker thread updates its buffers outside of it)
         from transformers import GenerationConfig
 
         if not hasattr(self.model, "continuous_batching_context_manager"):
@@ -194,6 +248,7 @@ class Regenerator:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
+        window = self.window
         gk = self.sampling.generate_kwargs()
         gcfg = GenerationConfig(**gk, eos_token_id=self.eos, pad_token_id=self.tok.pad_token_id)
         sizes = {}
@@ -203,80 +258,59 @@ class Regenerator:
                                          **sizes)
         hints = WorkloadHints(max_prompt_length=self.max_length, max_generated_length=gk["max_new_tokens"],
                               num_requests=window)
-        order = [i for b in todo for i in range(b * chunk, min((b + 1) * chunk, len(convs)))]
-        work: dict[int, _Conversation] = {}
-        stats = {b: _new_stats() for b in todo}
-        left = {b: min((b + 1) * chunk, len(convs)) - b * chunk for b in todo}
-        results: dict[int, list[dict] | None] = {}
-        flying: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
-        emit = list(todo)  # chunks in order, written as soon as complete
-
-        def advance(mgr: Any, i: int) -> None:
-            """Send conversation i's next turn, or finish it."""
-            b = i // chunk
-            opened = self._open_turn(work[i], stats[b])
-            if opened is not None:
-                rid = mgr.add_request(opened[1], request_id=f"c{i}t{opened[0]}",
-                                      max_new_tokens=gk["max_new_tokens"], eos_token_id=self.eos)
-                if rid is None:
-                    raise EyasError("transformers' continuous batching refused a request (its worker stopped: see the "
-                                    "log above); use --engine generate")
-                flying[rid] = (i, opened[0])
-                return
-            results[i] = self._finish(work.pop(i), stats[b])
-            left[b] -= 1
-            while emit and left[emit[0]] == 0:
-                e = emit.pop(0)
-                lo, hi = e * chunk, min((e + 1) * chunk, len(convs))
-                on_chunk(e, [results.pop(k) for k in range(lo, hi)], stats.pop(e))
-
         with self.model.continuous_batching_context_manager(
                 generation_config=gcfg, continuous_batching_config=cbcfg, workload_hints=hints,
                 block=True, timeout=10, warmup=self.device.type == "cuda") as mgr:
-            queue = iter(order)
-            while True:
-                while len(work) < window and (i := next(queue, None)) is not None:
-                    work[i] = _Conversation(convs[i])
-                    advance(mgr, i)
-                if not flying:
-                    break
-                res = mgr.get_result(timeout=1)
-                if res is None:
-                    if not mgr.is_running():
-                        raise EyasError("transformers' continuous batching stopped unexpectedly (see its log "
-                                        "above); rerun to resume, or use --engine generate")
-                    continue
-                if not res.is_finished() or res.request_id not in flying:
-                    continue
-                if res.error is not None:
-                    raise EyasError(f"generation failed for request {res.request_id}: {res.error}")
-                i, j = flying.pop(res.request_id)
-                self._close_turn(work[i], j, list(res.generated_tokens), stats[i // chunk])
-                advance(mgr, i)
+            self._stream(_ManagerRequests(mgr, gk["max_new_tokens"], self.eos), convs, chunk, todo, window,
+                         on_chunk)
+
+
+class _ManagerRequests:
+    """transformers' continuous-batching manager behind the submit/poll interface `_stream` drives."""
+
+    def __init__(self, mgr: Any, max_new_tokens: int, eos: list[int]) -> None:
+        self.mgr, self.max_new_tokens, self.eos = mgr, max_new_tokens, eos
+
+    def submit(self, key: str, prompt: list[int], rank: int | None = None) -> None:
+        if self.mgr.add_request(prompt, request_id=key, max_new_tokens=self.max_new_tokens,
+                                eos_token_id=self.eos) is None:
+            raise EyasError("transformers' continuous batching refused a request (its worker stopped: see the "
+                            "log above); use --engine generate")
+
+    def poll(self) -> list[tuple[str, list[int]]]:
+        res = self.mgr.get_result(timeout=1)
+        if res is None:
+            if not self.mgr.is_running():
+                raise EyasError("transformers' continuous batching stopped unexpectedly (see its log "
+                                "above); rerun to resume, or use --engine generate")
+            return []
+        if not res.is_finished():
+            return []
+        if res.error is not None:
+            raise EyasError(f"generation failed for request {res.request_id}: {res.error}")
+        return [(res.request_id, list(res.generated_tokens))]
 
 
 class StaticRegenerator(Regenerator):
-    """Engine "static": each round of turns decoded over a static KV cache with one CUDA graph per
-    step (eyas.engines.graph_decode); the turn logic is Regenerator's."""
+    """Engine "static": eyas' continuous batching over static KV caches, each decode step one CUDA
+    graph (eyas.engines.graph_decode); every row that frees up takes the next waiting turn. Greedy runs
+    write what "generate" writes; sampled ones are seeded once per run (a resumed run differs)."""
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, max_length: int = 4096) -> None:
         from eyas.engines.graph_decode import GraphDecoder, Sampler
 
         super().__init__(model, tokenizer, sampling, max_length)
-        self.decoder = GraphDecoder(model)
-        self.sampler = Sampler(sampling.temperature, sampling.top_p, sampling.top_k)
-        # refuse up front, before any batch: a window the longest sequence outgrows, or a transformers
-        # version whose internals no longer match the engine (its logits checked on a real prompt)
-        if self.decoder.window and self.decoder.window < max_length:
-            raise EyasError(f"--engine static does not mask sliding windows ({self.decoder.window} tokens < "
-                            f"--max-length {max_length}); use --engine generate")
+        # refuses up front, before any batch: a sliding window the longest sequence outgrows, or a
+        # transformers version whose internals no longer match the engine (its logits checked on a real prompt)
+        self.decoder = GraphDecoder(model, max_length, sampling.max_new_tokens, self.eos, tokenizer.pad_token_id,
+                                    Sampler(sampling.temperature, sampling.top_p, sampling.top_k))
         probe = tokenizer.apply_chat_template([{"role": "user", "content": "Hello! Who are you?"}], tokenize=False,
                                               add_generation_prompt=True)
         self.decoder.check_model(tokenizer(probe, add_special_tokens=False)["input_ids"])
 
-    def _decode(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        return self.decoder.generate(prompts, self.sampling.max_new_tokens, self.eos, self.tok.pad_token_id,
-                                     self.sampler, seed)
+    def run(self, convs: list[list[dict]], chunk: int, todo: list[int], seed: int, on_chunk: Any) -> None:
+        torch.manual_seed(seed)
+        self._stream(self.decoder, convs, chunk, todo, 2 * self.decoder.capacity, on_chunk)
 
 
 class VllmRegenerator(Regenerator):
@@ -306,7 +340,7 @@ class VllmRegenerator(Regenerator):
         return replies
 
 
-def _round_engine(engine: str, asked: str, model: Any, tokenizer: Any, sampling: Sampling,
+def _local_engine(engine: str, asked: str, model: Any, tokenizer: Any, sampling: Sampling,
                   max_length: int) -> Regenerator:
     """The engine "generate" or "static"; "auto" falls back to generate when static refuses the model."""
     if engine == "static":
@@ -460,18 +494,14 @@ def run_regenerate(
             if on_batch is not None:
                 on_batch(b)
 
-        def by_rounds(regen: Regenerator) -> None:
-            for b in todo:
-                save(b, *regen.batch(convs[b * batch_size:(b + 1) * batch_size], seed=sampling.seed * 1_000_003 + b))
-
         todo = [b for b in range(nbatches) if b not in done]
         if todo and engine == "vllm":
-            _with_vllm(model_name, sampling, max_length, tp, dtype, trust_remote_code, by_rounds)
-        elif todo and engine == "continuous":
-            Regenerator(model, tokenizer, sampling, max_length).stream(convs, batch_size, todo, window,
-                                                                       sampling.seed, save)
+            _with_vllm(model_name, sampling, max_length, tp, dtype, trust_remote_code,
+                       lambda regen: regen.run(convs, batch_size, todo, sampling.seed, save))
         elif todo:
-            by_rounds(_round_engine(engine, asked, model, tokenizer, sampling, max_length))
+            regen = (ContinuousRegenerator(model, tokenizer, sampling, max_length, window) if engine == "continuous"
+                     else _local_engine(engine, asked, model, tokenizer, sampling, max_length))
+            regen.run(convs, batch_size, todo, sampling.seed, save)
     dt = time.perf_counter() - t0
 
     total = Stats()
@@ -542,14 +572,14 @@ def cli(
     max_samples: int = typer.Option(0, "--max-samples", help="Use only the first N conversations; 0 = all. "
                                     "[default: 0]"),
     batch_size: int = typer.Option(0, "--batch-size", help="Conversations per saved batch (the unit a killed run "
-                                    "resumes from); engines generate and static decode each round of their turns "
-                                    "together. 0 = 1024 on a GPU (a decode step's cost hardly grows with its rows), "
-                                    "32 on a CPU. [default: 0]"),
+                                    "resumes from); engines generate and vllm decode each round of a batch's turns "
+                                    "together. 0 = 1024 on a GPU, 32 on a CPU. [default: 0]"),
     engine: str = typer.Option("auto", "--engine", help="auto: static on a GPU, generate on a CPU. generate: "
                                "transformers' generate on padded batches (reproducible sampling, any version). "
-                               "static: the same rounds over a static KV cache, each decode step one CUDA graph "
-                               "(4.7-17.7x generate's speed for a 135M target on an H200; checked against a plain "
-                               "forward first). vllm: vLLM generates each round of turns (--tp for tensor parallel). "
+                               "static: eyas' continuous batching over static KV caches, each decode step one CUDA "
+                               "graph; a finished reply's row takes the next waiting turn at once (checked against a "
+                               "plain forward first; docs/benchmarks.md has its speed). vllm: vLLM generates each "
+                               "round of turns (--tp for tensor parallel). "
                                "continuous: transformers' continuous batching (greedy runs reproduce; sampled ones "
                                "depend on scheduling); worth it only with a flash-attention kernel. [default: auto]"),
     window: int = typer.Option(512, "--window", help="engine continuous: conversations in flight at once. "
