@@ -303,7 +303,6 @@ class GraphDecoder:
         rows = [prompt, prompt[len(prompt) // 2:]]
         no_stop = torch.tensor([-1], device=self.device)
         lane = Lane(self.config.num_hidden_layers, 2, len(prompt) + steps + 1, steps + 1, no_stop, self.pad_id)
-        lane.keys = ["check", "check"]
         seen: list[torch.Tensor] = []
         what = f"--engine static with {type(self.model).__name__} and transformers {transformers.__version__}"
         try:
