@@ -228,3 +228,25 @@ def test_tau_sim_and_summary():
     s = summarize(torch.tensor([[4.0, 2.0, 4.0], [2.0, 1.0, 2.0]]), [1.0, 0.8])
     assert s["acc"] == [0.5, 0.5] and abs(s["loss"] - (4.0 + 0.8 * 2.0) / 4.0) < 1e-9
     assert s["step_loss"] == [1.0, 1.0] and s["tau_sim"] == 1.75
+
+
+@pytest.mark.parametrize("backend,docs", [("math", False), ("math", True), ("flex", True)])
+def test_every_ttt_step_returns_one_memory_layout(backend, docs):
+    """The trainer compiles the layer's second half (`finish`) with static shapes: an attention output
+    whose strides differ between step 0 and later steps would compile it twice (a stride guard)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    B, T, nh, g, hd = 1, 32, 4, 2, 8
+    doc = torch.tensor([[0] * 12 + [1] * 20]) if docs else None
+    att = TTTAttention(backend, document_ids=doc)
+    counter = CompileCounter()
+    finish = torch.compile(lambda a: a.transpose(1, 2).reshape(B, T, nh * hd) * 2, backend=counter, dynamic=False)
+    layouts = set()
+    for _ in range(3):  # q/k/v as the draft projects them: [B, T, heads, hd] viewed as [B, heads, T, hd]
+        q = torch.randn(B, T, nh, hd).transpose(1, 2)
+        k, v = (torch.randn(B, T, g, hd).transpose(1, 2) for _ in range(2))
+        out = att(q, k, v)
+        layouts.add(out.stride())
+        finish(out)
+    assert len(layouts) == 1 and counter.frame_count == 1

@@ -52,6 +52,9 @@ class TTTAttention:
         self._dense_mask: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _heads_last_layout(self._attend(q, k, v))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
         if self.backend == "flex":
@@ -83,6 +86,17 @@ class TTTAttention:
         if len(self.keys) == 1:
             return out
         return _merge_same_row(q, out, lse, self.keys[1:], self.values[1:])
+
+
+def _heads_last_layout(out: torch.Tensor) -> torch.Tensor:
+    """out [B, nh, T, hd] as a view of a [B, T, nh, hd] buffer (no copy when it is one already, as
+    flex's step-0 output is): every TTT step hands the layer's second half one memory layout, so its
+    compiled graph is built once (a stride guard would compile it again), and o_proj reads it as is."""
+    B, nh, T, hd = out.shape
+    x = out.transpose(1, 2)
+    if x.stride() != (T * nh * hd, nh * hd, hd, 1):  # a size-1 batch dim may carry any stride, too
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.transpose(1, 2)
 
 
 def _ttt_math(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
