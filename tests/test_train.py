@@ -211,6 +211,32 @@ def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):
     assert bad.exit_code != 0 and "--cuda-graph must be auto, on or off" in str(bad.exception or bad.output)
 
 
+def test_init_draft_starts_from_its_weights_and_vocabulary(data, tmp_path):
+    """--init-draft: the run starts from the given draft (here in vLLM's layout), keeps its vocabulary
+    over --draft-vocab-size, and learns on from where it was; a draft of another shape is refused."""
+    import dataclasses
+
+    from eyas.export.formats import ExportOptions, export_draft
+
+    target, _, store = data
+    train(tmp_path / "first", store, max_steps=40)
+    first = Eagle3Draft.from_pretrained(tmp_path / "first" / "draft")
+    export_draft(first, tmp_path / "vllm", "vllm", ExportOptions(verifier=str(target), dtype="float32"))
+    # lr 0: the optimizer moves nothing, so the written draft is the init draft itself
+    train(tmp_path / "frozen", store, max_steps=1, lr=0.0, init_draft=tmp_path / "vllm", draft_vocab_size=40)
+    frozen = Eagle3Draft.from_pretrained(tmp_path / "frozen" / "draft").state_dict()
+    assert all(torch.equal(v, frozen[k]) for k, v in first.state_dict().items())
+    # learning on: the first loss is the one the first run ended near, far below a fresh draft's
+    train(tmp_path / "more", store, max_steps=3, init_draft=tmp_path / "first" / "draft")
+    fresh, before, more = metrics(tmp_path / "first")[0], metrics(tmp_path / "first")[-1], metrics(tmp_path / "more")
+    assert more[0]["loss"] < 0.8 * fresh["loss"] and abs(more[0]["loss"] - before["loss"]) < 0.25 * before["loss"]
+    other = Eagle3Draft(dataclasses.replace(first.config, aux_layer_ids=[0, 1, 2]))
+    other.set_vocab(first.d2t, first.t2d)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(EyasError, match="does not fit this target.*aux_layer_ids \\[0, 1, 2\\]"):
+        train(tmp_path / "bad", store, max_steps=1, init_draft=tmp_path / "other")
+
+
 def test_online_training_follows_the_offline_curve(data, tmp_path):
     """--online: the target runs in the loop on the prepared data; no states on disk."""
     target, prepared, store = data

@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from eyas.utils.io import EyasError, atomic_path, atomic_write_json, read_json, sha256_file, sha256_json
+from eyas.utils.io import EyasError, atomic_path, atomic_write_json, fingerprint_path, read_json, sha256_json
 
 PARTIAL_SUFFIX = ".partial.jsonl"
 
@@ -43,15 +43,6 @@ def parse_trees(text: str | None) -> list[Any]:
         return [TreeSpec.parse(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError as e:
         raise EyasError(f"--tree: {e}") from e
-
-
-def _fingerprint(path: Path) -> str:
-    if path.is_file():
-        return sha256_file(path)
-    if (path / "manifest.json").is_file() and not (path / "model.safetensors").is_file():
-        return sha256_file(path / "manifest.json")  # a prepared dataset: its manifest pins its content
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin", ".pt"))
-    return sha256_json({p.name: sha256_file(p) for p in files})
 
 
 def load_draft(draft: str, target_path: str, target_model: Any, device: Any, dtype: Any) -> Any:
@@ -105,7 +96,7 @@ def run_eval(draft: str, model: str = "smollm2", prompts: str = "mtbench", chain
     out = Path(out)
     target_path = resolve_model(model)
     compared = [(_compare_label(p), load_report(p)) for p in (compare or [])]
-    options = {"draft": draft if draft == "random" else _fingerprint(Path(draft)), "model": target_path,
+    options = {"draft": draft if draft == "random" else fingerprint_path(draft), "model": target_path,
                "prompts": prompts, "prompt_files": _prompt_fingerprints(prompts),
                "chain": chains, "tree": [t.name for t in trees], "temperature": temperature, "top_p": top_p,
                "max_new_tokens": max_new_tokens, "max_prompts": max_prompts, "max_turns": max_turns, "engine": engine,
@@ -169,7 +160,7 @@ def _prompt_fingerprints(prompts: str) -> dict[str, str]:
     for part in prompts.split(","):
         path = Path(part.split("=", 1)[-1].strip()).expanduser()
         if part.strip() and path.exists():
-            out[part.strip()] = _fingerprint(path)
+            out[part.strip()] = fingerprint_path(path)
     return out
 
 

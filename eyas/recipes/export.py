@@ -14,13 +14,7 @@ import typer
 
 import eyas
 from eyas.export.formats import FORMATS, ExportOptions, export_draft, import_draft
-from eyas.utils.io import EyasError, read_json, sha256_file, sha256_json
-
-
-def _draft_fingerprint(path: Path) -> str:
-    """Content hash of a checkpoint folder's config and weights (what a reused export must match)."""
-    files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in (".json", ".safetensors", ".bin")))
-    return sha256_json({p.name: sha256_file(p) for p in files})
+from eyas.utils.io import EyasError, fingerprint_path, read_json, sha256_json
 
 
 def _up_to_date(out: Path, options_sha256: str) -> bool:
@@ -54,7 +48,7 @@ def run_export(draft: str | Path, fmt: str, out: str | Path, verifier: str | Non
     model = import_draft(draft, target=target, aux_layer_ids=aux_layer_ids, layout=layout)
     options = ExportOptions(verifier=verifier, dtype=dtype, num_speculative_tokens=num_speculative_tokens,
                             include_embedding=include_embedding)
-    fingerprint = _draft_fingerprint(draft)
+    fingerprint = fingerprint_path(draft)
     written = []
     for f in formats:
         dest = out / f if fmt == "all" else out

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import typer
 
-from eyas.utils.io import EyasError, atomic_write_json, read_json, sha256_json
+from eyas.utils.io import EyasError, atomic_write_json, fingerprint_path, read_json, sha256_json
 
 
 def _target_config(name: str, trust_remote_code: bool = False) -> Any:
@@ -42,13 +42,15 @@ def run_train(
     engine: str = "hf",
     target_dtype: str = "auto",
     resume: bool = False,
+    init_draft: str | os.PathLike | None = None,
     stop_after: int = 0,
     engine_obj: Any = None,
     log: Any = None,
     **train_options: Any,
 ) -> dict[str, Any]:
     """Train and write OUT/draft. `train_options` are eyas.train.trainer.TrainConfig fields.
-    `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
+    `init_draft`: start from that draft's weights and vocabulary (any layout eyas imports) instead of
+    fresh ones; `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
     `engine_obj` is an already built target engine for online training."""
     from eyas.model.config import DraftConfig, target_config_sha256
     from eyas.model.draft import Eagle3Draft
@@ -123,6 +125,13 @@ def run_train(
     if dcfg.vocab_size != head.vocab_size:
         dcfg.vocab_size = head.vocab_size  # the lm_head's rows are what the target predicts over
         dcfg.draft_vocab_size = min(dcfg.draft_vocab_size, dcfg.vocab_size)
+    init = None
+    if init_draft is not None:
+        init = _load_init_draft(Path(init_draft), dcfg, target_name)
+        if init.config.draft_vocab_size != dcfg.draft_vocab_size:
+            say(f"--init-draft: keeping its draft vocabulary of {init.config.draft_vocab_size:,} tokens "
+                f"(--draft-vocab-size {dcfg.draft_vocab_size:,} applies to fresh drafts)")
+        dcfg.draft_vocab_size = init.config.draft_vocab_size
     budget = cfg.resolved_budget(info.device)
     cfg.token_budget = budget
     plan = Plan(lengths, budget, cfg.seed, info.world, cfg.grad_accum)
@@ -133,19 +142,21 @@ def run_train(
                         "--token-budget or --grad-accum, or use more data")
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     options = {"source": source_id, "draft": {k: v for k, v in dcfg.to_dict().items() if k != "extra"},
-               "train": cfg.schedule_options(), "world": info.world, "kind": kind}
+               "train": cfg.schedule_options(), "world": info.world, "kind": kind,
+               "init": None if init is None else fingerprint_path(init_draft)}
     options_sha = sha256_json(options)
     mpath = out / "manifest.json"
     if mpath.is_file() and read_json(mpath).get("options_sha256") == options_sha and (out / "draft").is_dir():
         say(f"{out} is up to date (same inputs and options): reusing it")
         return read_json(mpath)
 
-    counts = token_counts(counts_path, kind, dcfg.vocab_size)
-    d2t, t2d = build_draft_vocab(counts, dcfg.draft_vocab_size)
     torch.manual_seed(cfg.seed)
     draft = Eagle3Draft(dcfg)
+    if init is not None:
+        draft.load_state_dict(init.state_dict())
+    else:
+        draft.set_vocab(*build_draft_vocab(token_counts(counts_path, kind, dcfg.vocab_size), dcfg.draft_vocab_size))
     draft.load_target_embedding(head.embed_tokens, head.embed_scale)
-    draft.set_vocab(d2t, t2d)
     trainer = Trainer(cfg, draft, head, info, total)
     del head  # the trainer keeps what it needs on the device
 
@@ -212,6 +223,22 @@ def run_train(
     return result
 
 
+def _load_init_draft(path: Path, dcfg: Any, target: str) -> Any:
+    """The draft --init-draft names, checked to have the shape this run trains (else a clear error)."""
+    from eyas.export.formats import import_draft
+
+    init = import_draft(path, target=target if Path(str(target)).is_dir() else None)
+    have, want = init.config, dcfg
+    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "vocab_size", "target_hidden_size", "aux_layer_ids")
+    diff = [f"{f} {getattr(have, f)} (this run: {getattr(want, f)})" for f in fields
+            if getattr(have, f) != getattr(want, f)]
+    if diff:
+        raise EyasError(f"--init-draft {path} does not fit this target and its aux layers: " + "; ".join(diff) +
+                        ". Start from a draft trained for the same target (and --aux-layers), or drop --init-draft")
+    return init
+
+
 def cli(
     out: Path = typer.Option(..., "--out", help="Output folder: OUT/draft, OUT/metrics.jsonl, OUT/train_state/."),
     store: Path = typer.Option(None, "--store", help="Hidden-state store from `eyas extract` (offline training)."),
@@ -241,6 +268,10 @@ def cli(
                                    "continues it). 0 = none. [default: 0]"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUT/train_state. "
                                 "[default: off]"),
+    init_draft: Path = typer.Option(None, "--init-draft", help="Start from this draft's weights and vocabulary "
+                                    "(eyas, vLLM, speculators, SpecForge or EAGLE layout; same target and aux "
+                                    "layers) with a fresh optimizer and schedule: fine-tune a draft on new data, or "
+                                    "keep training one across machines. [default: none]"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp32. [default: auto]"),
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard the draft and optimizer with FSDP2 under torchrun "
                               "(default: DDP). [default: off]"),
@@ -266,7 +297,7 @@ def cli(
     ids = [int(x) for x in aux_layers.split(",") if x.strip()] or None
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
-                  aux_layer_ids=ids, resume=resume, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                  aux_layer_ids=ids, resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on",

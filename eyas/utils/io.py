@@ -100,6 +100,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def fingerprint_path(path: str | os.PathLike) -> str:
+    """Content hash of a file, or of a checkpoint folder's configs and weights (what a reused output must
+    match); a prepared dataset or store folder is pinned by its manifest."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    if (path / "manifest.json").is_file() and not (path / "model.safetensors").is_file():
+        return sha256_file(path / "manifest.json")
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin", ".pt"))
+    return sha256_json({p.name: sha256_file(p) for p in files})
+
+
 def sha256_json(obj: Any) -> str:
     """Stable hash of a JSON-able object: used to decide whether a stage's output is up to date."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
