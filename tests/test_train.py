@@ -237,6 +237,22 @@ def test_init_draft_starts_from_its_weights_and_vocabulary(data, tmp_path):
         train(tmp_path / "bad", store, max_steps=1, init_draft=tmp_path / "other")
 
 
+def test_the_first_steps_start_up_is_reported_and_kept_out_of_the_rate(data, tmp_path, monkeypatch):
+    """The first step of a run also compiles and captures (minutes on a GPU): a line says so, and tok/s
+    and the ETA count from the step after it."""
+    import eyas.train.trainer as trainer_module
+    from eyas.recipes.train import run_train
+
+    _, _, store = data
+    monkeypatch.setattr(trainer_module, "START_UP_NOTE_S", 0.0)
+    lines: list[str] = []
+    run_train(tmp_path / "run", store=store, draft_vocab_size=48, ttt_steps=2, token_budget=256, num_workers=0,
+              report_to="none", log_every=1, save_every=0, max_steps=3, log=lines.append)
+    assert sum("first step done after" in line for line in lines) == 1, lines
+    rows = metrics(tmp_path / "run")
+    assert [m["step"] for m in rows] == [1, 2, 3] and all(m["tok_per_s"] > 0 for m in rows)
+
+
 def test_online_training_follows_the_offline_curve(data, tmp_path):
     """--online: the target runs in the loop on the prepared data; no states on disk."""
     target, prepared, store = data

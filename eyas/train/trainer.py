@@ -473,6 +473,9 @@ def format_info(m: dict[str, Any]) -> str:
     return f"loss {m['loss']:.3f} acc {acc} tau {m['tau_sim']:.2f}"
 
 
+START_UP_NOTE_S = 5.0  # a first step slower than this gets a line saying why
+
+
 def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_per_epoch: int,
              progress_state: dict[str, Any], metrics: MetricsLog | None, engine: Any = None,
              stop_after: int = 0, log: Any = print) -> dict[str, Any]:
@@ -486,6 +489,7 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
     last: dict[str, Any] = {}
     session_tokens, t0 = 0, time.perf_counter()
     window_tokens, tw = 0, time.perf_counter()
+    warm: tuple[float, int] | None = None  # (time, step) when the session's first step was done
     tokens_total = int(progress_state.get("tokens", 0))
     show = trainer.info.is_main
     bar = progress_bar(disable=None if show else True)
@@ -530,11 +534,20 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                     if metrics is not None:
                         metrics.write(m)
                     if quiet_bar:
-                        eta = (total_steps - trainer.step) * (now - t0) / max(1, trainer.step - progress_state["start"])
+                        since, from_step = warm or (t0, progress_state["start"])
+                        eta = (total_steps - trainer.step) * (now - since) / max(1, trainer.step - from_step)
                         log(f"step {trainer.step}/{total_steps} {format_info(m)} {rate:,.0f} tok/s eta {eta:,.0f}s")
             if cfg.save_every and trainer.step % cfg.save_every == 0 and trainer.step < total_steps:
                 save_checkpoint(trainer, root, dict(progress_state), cfg.keep_checkpoints)
             if is_last:
                 break
+            if warm is None:  # the first step also compiled and captured graphs: rates and ETAs count after it
+                warm = time.perf_counter(), trainer.step
+                if warm[0] - t0 >= START_UP_NOTE_S and show:
+                    log(f"first step done after {warm[0] - t0:.0f}s of start-up (torch.compile, CUDA graph capture: "
+                        "once per run); tok/s and ETA count from here")
+                session_tokens = window_tokens = 0
+                tw = warm[0]
+                bar.reset(task, total=total_steps, completed=trainer.step, tokens=0, info="")
     progress_state["elapsed"] = time.perf_counter() - t0
     return last
