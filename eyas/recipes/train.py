@@ -142,8 +142,9 @@ def run_train(
                         "--token-budget or --grad-accum, or use more data")
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     options = {"source": source_id, "draft": {k: v for k, v in dcfg.to_dict().items() if k != "extra"},
-               "train": cfg.schedule_options(), "world": info.world, "kind": kind,
-               "init": None if init is None else fingerprint_path(init_draft)}
+               "train": cfg.schedule_options(), "world": info.world, "kind": kind}
+    if init is not None:  # (only then: runs without it keep the fingerprint they had)
+        options["init"] = fingerprint_path(init_draft)
     options_sha = sha256_json(options)
     mpath = out / "manifest.json"
     if mpath.is_file() and read_json(mpath).get("options_sha256") == options_sha and (out / "draft").is_dir():
