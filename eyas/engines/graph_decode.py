@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from eyas.model.config import _text_config
 from eyas.utils.devices import run_on_stream
 from eyas.utils.io import EyasError
 
@@ -170,11 +171,6 @@ class Lane:
         return 0  # positions are always passed explicitly
 
 
-def _text_config(model: Any) -> Any:
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -201,7 +197,7 @@ class GraphDecoder:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.config = _text_config(model)
+        self.config = _text_config(model.config)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.max_length, self.max_new, self.pad_id = max_length, max_new_tokens, pad_id
         self.sampler = sampler or Sampler()
