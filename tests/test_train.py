@@ -295,3 +295,44 @@ def test_cuda_graph_asked_where_it_cannot_run_says_so_and_trains(data, tmp_path)
     with pytest.warns(UserWarning, match="training without CUDA graphs"):
         res = train(tmp_path / "g", store, max_steps=2, cuda_graph=True)
     assert res["complete"] and res["steps"] == 2
+
+
+_COMPILED_RUN = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from eyas.recipes.train import run_train
+lines = []
+res = run_train(sys.argv[1], store=sys.argv[2], resume=True, compile=True, draft_vocab_size=48, ttt_steps=2,
+                token_budget=256, num_workers=0, report_to="none", log_every=1, save_every=0, max_steps=3,
+                max_time=float(sys.argv[3]), log=lines.append)
+print(json.dumps({"steps": res["steps"], "lines": lines, "hit": counters["inductor"]["fxgraph_cache_hit"],
+                  "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def test_compile_cache_travels_with_the_checkpoint(data, tmp_path):
+    """A compiled run leaves torch.compile's artifacts in OUT/train_state; a resume in a fresh process with
+    an empty local compile cache (another machine) then finds every graph there instead of compiling it."""
+    import subprocess
+    import sys
+
+    from eyas.train.compile_cache import CACHE_FILE
+
+    _, _, store = data
+    out = tmp_path / "run"
+
+    def run(cache_dir: str, max_time: float) -> dict:
+        env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache_dir),
+               "OMP_NUM_THREADS": "1"}
+        r = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(out), str(store), str(max_time)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = run("machine-a", 1e-9)  # cut by --max-time after its first step, as a preempted job
+    assert first["steps"] == 1 and first["miss"] > 0 and first["hit"] == 0
+    blob = out / "train_state" / CACHE_FILE
+    assert blob.stat().st_size > 0
+    second = run("machine-b", 0)  # fresh local cache: only the blob can supply the graphs
+    assert second["steps"] == 3 and any("compile cache:" in line for line in second["lines"]), second["lines"]
+    assert second["hit"] >= first["miss"] and second["miss"] == 0, second

@@ -56,6 +56,7 @@ def run_train(
     from eyas.model.draft import Eagle3Draft
     from eyas.model.vocab import build_draft_vocab
     from eyas.train import distributed as D
+    from eyas.train.compile_cache import load_compile_cache
     from eyas.train.data import Plan, SampleSource, iterate_batches, token_counts
     from eyas.train.trainer import (
         MetricsLog,
@@ -171,6 +172,10 @@ def run_train(
                             "(or drop --resume to start over)")
         progress = load_checkpoint(trainer, ckpt)
         say(f"resuming from {ckpt} (step {trainer.step}/{total})")
+        if trainer.compiled:
+            note = load_compile_cache(root)
+            if note:
+                say(note)
     elif info.is_main and root.exists():
         import shutil
 
@@ -186,7 +191,9 @@ def run_train(
         f"{trainer.mode} on {info.device}")
     batches = iterate_batches(source, plan, info.rank, progress["epoch"], progress["step_in_epoch"],
                               num_workers=cfg.num_workers, pin=info.device.type == "cuda",
-                              pad_to=budget if info.device.type == "cuda" else None, states=eng is None,
+                              # one shape for every batch where it pays: CUDA graphs, compiled kernels
+                              pad_to=budget if info.device.type == "cuda" or trainer.compiled else None,
+                              states=eng is None,
                               embed_table=trainer.embed_table)
     t0 = time.perf_counter()
     try:

@@ -36,6 +36,7 @@ from eyas.engines.head import TargetHead
 from eyas.model.draft import Eagle3Draft, check_state_dict
 from eyas.model.vocab import draft_to_target_ids, target_to_draft_ids
 from eyas.train import distributed as D
+from eyas.train.compile_cache import CACHE_FILE, save_compile_cache
 from eyas.train.loss import target_distribution
 from eyas.train.ttt import TTTConfig, TTTModel, summarize
 from eyas.utils.devices import resolve_dtype
@@ -148,6 +149,7 @@ class Trainer:
         self.bf16 = self.dtype == torch.bfloat16
         # compile by default on one GPU / DDP; under FSDP2 only when asked (less tested there)
         compile_ = (dev.type == "cuda" and not cfg.fsdp) if cfg.compile is None else cfg.compile
+        self.compiled = compile_
         if dev.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -539,6 +541,9 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                         log(f"step {trainer.step}/{total_steps} {format_info(m)} {rate:,.0f} tok/s eta {eta:,.0f}s")
             if cfg.save_every and trainer.step % cfg.save_every == 0 and trainer.step < total_steps:
                 save_checkpoint(trainer, root, dict(progress_state), cfg.keep_checkpoints)
+            if trainer.step == progress_state["start"] + 1 and trainer.compiled and show \
+                    and not (root / CACHE_FILE).is_file():
+                save_compile_cache(root)  # all compiled by now; for a resume on another machine
             if is_last:
                 break
             if warm is None:  # the first step also compiled and captured graphs: rates and ETAs count after it
