@@ -139,6 +139,34 @@ def test_tiny_draft_learns_tiny_target(data, tmp_path):
     assert draft.config.draft_vocab_size == 48 and int(draft.t2d.sum()) == 48
 
 
+def test_held_out_samples_are_never_trained_on_and_measure_the_draft(data, tmp_path):
+    """--val-samples: a seeded set of samples stays out of every epoch's packs; the draft is measured on
+    it every --val-every steps and at the end (metrics.jsonl, the manifest); the figure depends only on
+    the weights and those samples, and falls as the draft learns the target."""
+    from eyas.train.data import hold_out
+
+    _, _, store = data
+    lengths = HiddenStore(store).lengths
+    train_ids, val_ids = hold_out(len(lengths), 20, seed=0)
+    assert len(val_ids) == 20 and np.array_equal(np.union1d(train_ids, val_ids), np.arange(len(lengths)))
+    assert np.array_equal(hold_out(len(lengths), 20, seed=0)[1], val_ids)  # seeded: a resume holds out the same
+    plan = Plan.over(lengths, train_ids, budget=256, seed=0, world=1, grad_accum=1)
+    for epoch in range(3):
+        used = np.concatenate(plan.packs(epoch))
+        assert np.array_equal(np.sort(used), train_ids)
+    with pytest.raises(EyasError, match="--val-samples 160"):
+        hold_out(len(lengths), 160, seed=0)
+
+    res = train(tmp_path / "run", store, max_steps=150, val_samples=20, val_every=50, log_every=10)
+    vals = [m for m in metrics(tmp_path / "run") if "val" in m]
+    assert [m["step"] for m in vals] == [50, 100, 150] and res["final"]["val"] == vals[-1]["val"]
+    losses, acc0 = [v["val"]["loss"] for v in vals], [v["val"]["acc"][0] for v in vals]
+    assert losses == sorted(losses, reverse=True) and acc0[-1] > 1.2 * acc0[0] and vals[-1]["val"]["valid_tokens"] > 0
+    # the same weights (lr 0) on the same held-out samples: the same figure
+    again = train(tmp_path / "again", store, max_steps=1, lr=0.0, val_samples=20, init_draft=tmp_path / "run" / "draft")
+    assert again["final"]["val"]["loss"] == pytest.approx(res["final"]["val"]["loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):
     """A run stopped after step 5 (last checkpoint at 4) and resumed logs exactly the losses of a
@@ -260,13 +288,16 @@ def test_online_training_follows_the_offline_curve(data, tmp_path):
 
     kw = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=1, report_to="none", log_every=1,
               save_every=0, lr=3e-3, max_steps=3, log=lambda m: None)
-    run_train(tmp_path / "off", store=store, **kw)
-    run_train(tmp_path / "on", prepared=prepared, online=True, model=str(target), aux_layer_ids=AUX,
-              target_dtype="float32", **kw)
+    off_run = run_train(tmp_path / "off", store=store, val_samples=12, **kw)
+    on_run = run_train(tmp_path / "on", prepared=prepared, online=True, model=str(target), aux_layer_ids=AUX,
+                       target_dtype="float32", val_samples=12, **kw)
     off, on = metrics(tmp_path / "off"), metrics(tmp_path / "on")
-    assert [m["step"] for m in on] == [1, 2, 3]
+    assert [m["step"] for m in on] == [1, 2, 3, 3] and "val" in on[-1]  # the held-out samples, measured at the end
     for a, b in zip(off, on, strict=True):  # stored states are bf16, online ones fp32: close, not equal
+        a, b = a.get("val", a), b.get("val", b)
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-2
+    n_off, n_on = off_run["final"]["val"]["valid_tokens"], on_run["final"]["val"]["valid_tokens"]
+    assert n_off > 0 and abs(n_off - n_on) <= 0.02 * n_off  # validity follows the target's argmax: bf16 vs fp32
     assert not any((tmp_path / "on").rglob("shard-*.safetensors"))
 
 

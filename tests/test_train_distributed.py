@@ -1,5 +1,6 @@
 """`torchrun` with 2 CPU processes on gloo (DDP, and FSDP2 `fully_shard`): the loss curve equals
-the one-process loss on the same global batch (one process accumulating both ranks' batches)."""
+the one-process loss on the same global batch (one process accumulating both ranks' batches), and
+so does the validation on held-out samples."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from eyas.model.draft import Eagle3Draft
 
 ARGS = ["--max-steps", "3", "--ttt-steps", "3", "--token-budget", "256", "--draft-vocab-size", "48",
         "--num-workers", "0", "--log-every", "1", "--report-to", "none", "--save-every", "0", "--lr", "3e-3",
-        "--device", "cpu"]
+        "--device", "cpu", "--val-samples", "8"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1"}
 
 
@@ -44,8 +45,10 @@ def single(store, tmp_path_factory, dtype):
     return _single[dtype]
 
 
-def rows(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def rows(out, kind="train"):
+    """metrics.jsonl's training records, or its validation records (kind="val")."""
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["val"] for r in recs if "val" in r] if kind == "val" else [r for r in recs if "val" not in r]
 
 
 @pytest.mark.parametrize("mode, dtype, tol", [("ddp", "fp32", 1e-5), ("fsdp", "fp32", 1e-5),
@@ -71,6 +74,8 @@ def test_two_processes_match_one(store, tmp_path_factory, tmp_path, mode, dtype,
         if dtype == "fp32":
             assert y["acc"] == x["acc"]
     assert a[0]["loss"] != a[-1]["loss"]  # the steps really trained
+    (va,), (vb,) = rows(ref, "val"), rows(out, "val")  # every rank measures all held-out samples, once, at the end
+    assert vb["valid_tokens"] == va["valid_tokens"] > 0 and abs(vb["loss"] - va["loss"]) / va["loss"] < 10 * tol
     w_ref = Eagle3Draft.from_pretrained(ref / "draft").state_dict()
     w = Eagle3Draft.from_pretrained(out / "draft").state_dict()
     for k in w_ref:

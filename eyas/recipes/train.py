@@ -57,7 +57,15 @@ def run_train(
     from eyas.model.vocab import build_draft_vocab
     from eyas.train import distributed as D
     from eyas.train.compile_cache import load_compile_cache
-    from eyas.train.data import Plan, SampleSource, iterate_batches, token_counts
+    from eyas.train.data import (
+        PackDataset,
+        Plan,
+        SampleSource,
+        fill_states,
+        hold_out,
+        iterate_batches,
+        token_counts,
+    )
     from eyas.train.trainer import (
         MetricsLog,
         TrainConfig,
@@ -135,7 +143,8 @@ def run_train(
         dcfg.draft_vocab_size = init.config.draft_vocab_size
     budget = cfg.resolved_budget(info.device)
     cfg.token_budget = budget
-    plan = Plan(lengths, budget, cfg.seed, info.world, cfg.grad_accum)
+    train_ids, val_ids = hold_out(len(lengths), cfg.val_samples, cfg.seed)
+    plan = Plan.over(lengths, train_ids, budget=budget, seed=cfg.seed, world=info.world, grad_accum=cfg.grad_accum)
     steps_per_epoch = plan.steps_per_epoch()
     if steps_per_epoch == 0 and not cfg.max_steps:
         raise EyasError(f"{len(lengths)} samples make {len(plan.packs(0))} packs of {budget} tokens: fewer than one "
@@ -146,6 +155,8 @@ def run_train(
                "train": cfg.schedule_options(), "world": info.world, "kind": kind}
     if init is not None:  # (only then: runs without it keep the fingerprint they had)
         options["init"] = fingerprint_path(init_draft)
+    if cfg.val_samples:  # (likewise)
+        options["val_samples"] = cfg.val_samples
     options_sha = sha256_json(options)
     mpath = out / "manifest.json"
     if mpath.is_file() and read_json(mpath).get("options_sha256") == options_sha and (out / "draft").is_dir():
@@ -189,16 +200,24 @@ def run_train(
     say(f"training a draft for {target_name}: {sum(p.numel() for p in draft.parameters() if p.requires_grad):,} "
         f"trainable parameters, {total} steps of {info.world} x {cfg.grad_accum} x {budget} tokens, "
         f"{trainer.mode} on {info.device}")
+    pad_to = budget if info.device.type == "cuda" or trainer.compiled else None  # one shape: graphs, kernels
     batches = iterate_batches(source, plan, info.rank, progress["epoch"], progress["step_in_epoch"],
-                              num_workers=cfg.num_workers, pin=info.device.type == "cuda",
-                              # one shape for every batch where it pays: CUDA graphs, compiled kernels
-                              pad_to=budget if info.device.type == "cuda" or trainer.compiled else None,
-                              states=eng is None,
-                              embed_table=trainer.embed_table)
+                              num_workers=cfg.num_workers, pin=info.device.type == "cuda", pad_to=pad_to,
+                              states=eng is None, embed_table=trainer.embed_table)
+    validate = None
+    if len(val_ids):
+        held_out = PackDataset(source, Plan.over(lengths, val_ids, budget=budget, seed=cfg.seed, world=1, grad_accum=1,
+                                                 shuffle=False).packs(0), budget, pad_to, eng is None,
+                               trainer.embed_table)
+
+        def validate() -> dict[str, Any]:
+            rows = (held_out[k] for k in range(len(held_out)))
+            return trainer.evaluate(rows if eng is None else (fill_states(b, eng) for b in rows))
+
     t0 = time.perf_counter()
     try:
         last = run_loop(trainer, batches, out, total, max(steps_per_epoch, 1), progress, metrics, engine=eng,
-                        stop_after=stop_after, log=say)
+                        stop_after=stop_after, log=say, validate=validate)
     finally:
         if metrics is not None:
             metrics.close()
@@ -290,6 +309,11 @@ def cli(
     cuda_graph: str = typer.Option("auto", "--cuda-graph", help="Replay each optimizer step as one CUDA graph "
                                    "(one GPU, one micro-batch per step): auto (on with --compile), on, off. "
                                    "[default: auto]"),
+    val_samples: int = typer.Option(0, "--val-samples", help="Hold this many samples (drawn at random, seeded) out of "
+                                    "training and measure the draft on them: loss, per-step accuracy and tau_sim on "
+                                    "data it never saw, next to the training figures. [default: 0 = none]"),
+    val_every: int = typer.Option(0, "--val-every", help="Optimizer steps between validations (with --val-samples); "
+                                  "0 = only at the end. [default: 0]"),
     log_every: int = typer.Option(10, "--log-every", help="Optimizer steps between log lines. [default: 10]"),
     seed: int = typer.Option(0, "--seed", help="Seed for the draft's init and the data order. [default: 0]"),
     num_workers: int = typer.Option(2, "--num-workers", help="DataLoader worker processes. [default: 2]"),
@@ -307,7 +331,7 @@ def cli(
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
                   aux_layer_ids=ids, resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
-                  save_every=save_every, max_time=max_time, dtype=dtype, fsdp=fsdp, attention=attention,
+                  save_every=save_every, max_time=max_time, val_samples=val_samples, val_every=val_every, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on",
                   cuda_graph=None if cuda_graph == "auto" else cuda_graph == "on", log_every=log_every, seed=seed,
                   num_workers=num_workers, report_to=report_to, device=device)

@@ -77,9 +77,16 @@ class Plan:
     world: int
     grad_accum: int
     shuffle: bool = True
+    samples: np.ndarray | None = None  # the dataset ids of `lengths`' entries; None = 0..n-1 (all samples)
+
+    @classmethod
+    def over(cls, lengths: np.ndarray, samples: np.ndarray, **kw: Any) -> Plan:
+        """A plan over some of the dataset's samples (those not held out for validation)."""
+        return cls(np.asarray(lengths)[samples], samples=samples, **kw)
 
     def packs(self, epoch: int) -> list[np.ndarray]:
-        return plan_epoch(self.lengths, self.budget, self.seed, epoch, self.shuffle)
+        packs = plan_epoch(self.lengths, self.budget, self.seed, epoch, self.shuffle)
+        return packs if self.samples is None else [self.samples[p] for p in packs]
 
     def steps_per_epoch(self) -> int:
         return len(self.packs(0)) // (self.world * self.grad_accum)
@@ -90,6 +97,17 @@ class Plan:
         G, A = self.world * self.grad_accum, self.grad_accum
         steps = len(packs) // G
         return [packs[s * G + rank * A + m] for s in range(steps) for m in range(A)]
+
+
+def hold_out(num_samples: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, validation ids): `n` samples drawn at random (seeded), the rest in order."""
+    if not 0 <= n < num_samples:
+        raise EyasError(f"--val-samples {n}: the data has {num_samples} samples; hold out fewer than that")
+    val = np.sort(np.random.default_rng([seed, 7919]).choice(num_samples, n, replace=False)) if n else \
+        np.zeros(0, dtype=np.int64)
+    keep = np.ones(num_samples, dtype=bool)
+    keep[val] = False
+    return np.flatnonzero(keep), val
 
 
 class SampleSource:

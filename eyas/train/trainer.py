@@ -24,6 +24,7 @@ import random
 import shutil
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,8 @@ class TrainConfig:
     max_steps: int = 0  # > 0 overrides epochs
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
     max_time: float = 0  # seconds; > 0: stop at the first log step past it, checkpoint, write the draft
+    val_samples: int = 0  # samples held out of training, to measure the draft on data it never saw
+    val_every: int = 0  # optimizer steps between validations; 0 = only at the end
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 0
@@ -260,6 +263,15 @@ class Trainer:
         self.step += 1
         self.window += stats
         return stats
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        """The draft's loss, per-step accuracy and tau_sim on `batches` (held-out data), without training
+        on them. Every rank runs the same batches (DDP and FSDP forwards are collective): no reduction."""
+        stats = torch.zeros_like(self.window)
+        for batch in batches:
+            stats += self.forward_batch(batch)[1]
+        return summarize(stats, self.weights)
 
     def update(self, micro: list[dict[str, Any]], block_mask: Any = None) -> torch.Tensor:
         """Forward and backward of each micro-batch, gradient scaling, clipping and the optimizer
@@ -463,6 +475,18 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(flat, step=step)
 
+    def write_val(self, step: int, m: dict[str, Any]) -> None:
+        """A validation record: {"step", "val": {loss, step_loss, acc, tau_sim, valid_tokens}}."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "val": m}) + "\n")
+        flat = {"val/loss": m["loss"], "val/tau_sim": m["tau_sim"]}
+        flat.update({f"val/acc/step{j}": a for j, a in enumerate(m["acc"])})
+        if self.tb is not None:
+            for k, v in flat.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(flat, step=step)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -480,9 +504,11 @@ START_UP_NOTE_S = 5.0  # a first step slower than this gets a line saying why
 
 def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_per_epoch: int,
              progress_state: dict[str, Any], metrics: MetricsLog | None, engine: Any = None,
-             stop_after: int = 0, log: Any = print) -> dict[str, Any]:
+             stop_after: int = 0, log: Any = print,
+             validate: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Consume `batches` (eyas.train.data.iterate_batches) until `total_steps` optimizer steps,
-    logging and checkpointing. Returns the last logged metrics."""
+    logging and checkpointing; `validate()` (collective) measures held-out data every `val_every` steps
+    and at the end. Returns the last logged metrics, with the last validation's under "val"."""
     from eyas.train.data import fill_states
     from eyas.utils.progress import progress_bar
 
@@ -539,6 +565,14 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                         since, from_step = warm or (t0, progress_state["start"])
                         eta = (total_steps - trainer.step) * (now - since) / max(1, trainer.step - from_step)
                         log(f"step {trainer.step}/{total_steps} {format_info(m)} {rate:,.0f} tok/s eta {eta:,.0f}s")
+            if validate is not None and (is_last or (cfg.val_every and trainer.step % cfg.val_every == 0)):
+                val = validate()
+                if show:
+                    log(f"validation at step {trainer.step} ({val['valid_tokens']:,} held-out tokens): "
+                        f"{format_info(val)}")
+                    if metrics is not None:
+                        metrics.write_val(trainer.step, val)
+                last = {**last, "val": val}
             if cfg.save_every and trainer.step % cfg.save_every == 0 and trainer.step < total_steps:
                 save_checkpoint(trainer, root, dict(progress_state), cfg.keep_checkpoints)
             if trainer.step == progress_state["start"] + 1 and trainer.compiled and show \
