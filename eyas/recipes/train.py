@@ -143,7 +143,7 @@ def run_train(
         dcfg.draft_vocab_size = init.config.draft_vocab_size
     budget = cfg.resolved_budget(info.device)
     cfg.token_budget = budget
-    train_ids, val_ids = hold_out(len(lengths), cfg.val_samples, cfg.seed)
+    train_ids, val_ids = hold_out(len(lengths), cfg.val_samples, cfg.seed)  # (the vocabulary still counts all)
     plan = Plan.over(lengths, train_ids, budget=budget, seed=cfg.seed, world=info.world, grad_accum=cfg.grad_accum)
     steps_per_epoch = plan.steps_per_epoch()
     if steps_per_epoch == 0 and not cfg.max_steps:

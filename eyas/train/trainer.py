@@ -566,7 +566,9 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                         eta = (total_steps - trainer.step) * (now - since) / max(1, trainer.step - from_step)
                         log(f"step {trainer.step}/{total_steps} {format_info(m)} {rate:,.0f} tok/s eta {eta:,.0f}s")
             if validate is not None and (is_last or (cfg.val_every and trainer.step % cfg.val_every == 0)):
+                tv = time.perf_counter()
                 val = validate()
+                tw += time.perf_counter() - tv  # kept out of the training rate
                 if show:
                     log(f"validation at step {trainer.step} ({val['valid_tokens']:,} held-out tokens): "
                         f"{format_info(val)}")
