@@ -462,30 +462,27 @@ class MetricsLog:
                     raise EyasError("--report-to wandb needs `pip install wandb`") from None
 
     def write(self, rec: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        step = rec["step"]
         flat = {"train/loss": rec["loss"], "train/tau_sim": rec["tau_sim"], "train/lr": rec["lr"],
                 "train/grad_norm": rec["grad_norm"], "train/tok_per_s": rec["tok_per_s"]}
         for j, (a, lo) in enumerate(zip(rec["acc"], rec["step_loss"], strict=True)):
             flat[f"acc/step{j}"], flat[f"loss/step{j}"] = a, lo
-        if self.tb is not None:
-            for k, v in flat.items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(flat, step=step)
+        self._record(rec, flat)
 
     def write_val(self, step: int, m: dict[str, Any]) -> None:
         """A validation record: {"step", "val": {loss, step_loss, acc, tau_sim, valid_tokens}}."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "val": m}) + "\n")
         flat = {"val/loss": m["loss"], "val/tau_sim": m["tau_sim"]}
         flat.update({f"val/acc/step{j}": a for j, a in enumerate(m["acc"])})
+        self._record({"step": step, "val": m}, flat)
+
+    def _record(self, rec: dict[str, Any], flat: dict[str, float]) -> None:
+        """One line of metrics.jsonl, and its scalars to TensorBoard / W&B."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
         if self.tb is not None:
             for k, v in flat.items():
-                self.tb.add_scalar(k, v, step)
+                self.tb.add_scalar(k, v, rec["step"])
         if self.wandb is not None:
-            self.wandb.log(flat, step=step)
+            self.wandb.log(flat, step=rec["step"])
 
     def close(self) -> None:
         if self.tb is not None:
