@@ -157,6 +157,10 @@ def test_held_out_samples_are_never_trained_on_and_measure_the_draft(data, tmp_p
     with pytest.raises(EyasError, match="--val-samples 160"):
         hold_out(len(lengths), 160, seed=0)
 
+    # the trainer reads exactly the kept samples: one epoch trains on their tokens and no others
+    epoch = train(tmp_path / "epoch", store, epochs=1, val_samples=20, log_every=10)
+    assert epoch["tokens"] == int(np.asarray(lengths)[train_ids].sum()) < int(np.sum(lengths))
+
     res = train(tmp_path / "run", store, max_steps=150, val_samples=20, val_every=50, log_every=10)
     vals = [m for m in metrics(tmp_path / "run") if "val" in m]
     assert [m["step"] for m in vals] == [50, 100, 150] and res["final"]["val"] == vals[-1]["val"]
