@@ -31,6 +31,7 @@ from eyas.model.attention import KVCache, TTTAttention
 from eyas.model.config import DraftConfig
 from eyas.model.draft import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
+from eyas.train.ttt import shift_left
 from eyas.utils.io import EyasError
 
 
@@ -200,6 +201,68 @@ def test_tree_verify_equals_each_path_run_alone(tiny):
         ref = target(torch.tensor([seq])).logits[0, -1]
         assert (step_logits[-1] - ref).abs().max() <= 1e-4 * ref.abs().max()
     wrapped.close()
+
+
+@torch.no_grad()
+def ttt_logits(draft, seq: list[int], aux: torch.Tensor, steps: int) -> torch.Tensor:
+    """The training-time-test unroll of eyas.train.ttt.TTTModel over one whole sequence: step j, row t reads
+    the true token x[t+1+j] and the draft's step j-1 output at t. -> draft logits [steps, T, V_d]."""
+    ids = torch.tensor([seq])
+    T = ids.shape[1]
+    attend, hidden, out = TTTAttention("math"), draft.fuse(aux[None]), []
+    for j in range(steps):
+        hidden = draft(shift_left(ids, 1 + j), hidden, (torch.arange(T) + j)[None], attend)
+        out.append(draft.logits(hidden)[0])
+    return torch.stack(out)
+
+
+def test_decoding_proposes_what_training_time_test_predicts(tiny):
+    """What the draft learns is what it proposes: in every round of greedy speculative decoding, the
+    draft's logits at the root (the row that reads the newest token with the target's state before it)
+    are the training unroll's step-0 logits at that row, and the chain's step j those of step j, as long
+    as the tokens before it are the true ones (which training feeds). Training accuracy and acceptance
+    measure the same predictions; the reference states come from transformers' output_hidden_states,
+    not eval's hooks."""
+    target, aux_ids, draft = tiny["target"], tiny["aux"], tiny["trained"]
+    wrapped = HFTarget(target, aux_ids)
+    dec = SpeculativeDecoder(wrapped, draft)
+    rounds: list[tuple[int, list[torch.Tensor], list[int]]] = []  # (L, logits of steps 0.., proposed tokens)
+    chain, tree, step = dec._draft_chain, dec._draft_tree, dec._draft_step
+
+    def record_step(*args):
+        out = step(*args)
+        rounds[-1][1].append(out[1][-1].clone())
+        return out
+
+    def record_chain(cache, root, logits, *args):
+        rounds.append((cache.length, [logits.clone()], []))
+        dec._draft_step = record_step
+        out = chain(cache, root, logits, *args)
+        dec._draft_step = step
+        rounds[-1][2].extend(out[0].tolist())
+        return out
+
+    def record_tree(cache, root, logits, spec):
+        rounds.append((cache.length, [logits.clone()], []))
+        return tree(cache, root, logits, spec)
+
+    dec._draft_chain, dec._draft_tree = record_chain, record_tree
+    checked = 0
+    for prompt in tiny["prompts"][:3]:
+        for method in (ChainSpec(4), TreeSpec(12, 4, 3)):
+            rounds.clear()
+            seq = prompt + dec.generate(prompt, method, 24).tokens
+            pred = ttt_logits(draft, seq, capture(target, [seq], aux_ids)[0][1], 4)  # [4, T, V_d]
+            for L, logits, proposed in rounds:
+                root = L - 1
+                for j, got in enumerate(logits):
+                    ref = pred[j, root]
+                    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), (L, j)
+                    checked += 1
+                    if j >= len(proposed) or root + 2 + j >= len(seq) or proposed[j] != seq[root + 2 + j]:
+                        break  # the next step reads a token that training never feeds there
+    wrapped.close()
+    assert checked >= 40, checked
 
 
 def test_dynamic_tree_is_eagle2_selection(tiny):

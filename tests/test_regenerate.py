@@ -11,7 +11,8 @@ import transformers as tf
 from transformers import AutoTokenizer
 
 from eyas.data.readers import read_conversations
-from eyas.recipes.regenerate import Sampling, run_regenerate
+from eyas.engines.graph_decode import _kv_bytes_per_token
+from eyas.recipes.regenerate import Sampling, StaticRegenerator, run_regenerate
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -175,6 +176,14 @@ def test_static_engine_writes_what_generate_writes_and_resumes(tmp_path, tiny, t
     with pytest.raises(KeyboardInterrupt):
         run_regenerate([src], tmp_path / "out.jsonl", on_batch=kill, **kw)
     assert run_regenerate([src], tmp_path / "out.jsonl", **kw).read_text() == ref
+    # --kv-cache-gb sizes the lanes: here 2 rows in each of 3 lanes, reused turn after turn, same text
+    per_token = _kv_bytes_per_token(tiny.config, next(tiny.parameters()).dtype)
+    gb = 16384 * per_token / 2**30
+    assert StaticRegenerator(tiny, tokenizer, kw["sampling"], 4096, kv_cache_gb=gb).decoder.lane_shapes == [
+        (1024, 2), (2048, 2), (4096, 2)]
+    assert run_regenerate([src], tmp_path / "small.jsonl", kv_cache_gb=gb, **kw).read_text() == ref
+    with pytest.raises(EyasError, match="--kv-cache-gb must be >= 0"):
+        run_regenerate([src], tmp_path / "neg.jsonl", kv_cache_gb=-1, **kw)
     # sampled: seeded per batch, so a rerun writes the same file
     kw["sampling"] = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=6, seed=4)
     a = run_regenerate([src], tmp_path / "s1.jsonl", **kw).read_text()

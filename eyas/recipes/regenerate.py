@@ -296,14 +296,16 @@ class StaticRegenerator(Regenerator):
     graph (eyas.engines.graph_decode); every row that frees up takes the next waiting turn. Greedy runs
     write what "generate" writes; sampled ones are seeded once per run (a resumed run differs)."""
 
-    def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, max_length: int = 4096) -> None:
+    def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, max_length: int = 4096,
+                 kv_cache_gb: float = 0) -> None:
         from eyas.engines.graph_decode import GraphDecoder, Sampler
 
         super().__init__(model, tokenizer, sampling, max_length)
         # refuses up front, before any batch: a sliding window the longest sequence outgrows, or a
         # transformers version whose internals no longer match the engine (its logits checked on a real prompt)
         self.decoder = GraphDecoder(model, max_length, sampling.max_new_tokens, self.eos, tokenizer.pad_token_id,
-                                    Sampler(sampling.temperature, sampling.top_p, sampling.top_k))
+                                    Sampler(sampling.temperature, sampling.top_p, sampling.top_k),
+                                    max_cache_bytes=kv_cache_gb * 2**30 or None)
         probe = tokenizer.apply_chat_template([{"role": "user", "content": "Hello! Who are you?"}], tokenize=False,
                                               add_generation_prompt=True)
         self.decoder.check_model(tokenizer(probe, add_special_tokens=False)["input_ids"])
@@ -341,11 +343,11 @@ class VllmRegenerator(Regenerator):
 
 
 def _local_engine(engine: str, asked: str, model: Any, tokenizer: Any, sampling: Sampling,
-                  max_length: int) -> Regenerator:
+                  max_length: int, kv_cache_gb: float = 0) -> Regenerator:
     """The engine "generate" or "static"; "auto" falls back to generate when static refuses the model."""
     if engine == "static":
         try:
-            return StaticRegenerator(model, tokenizer, sampling, max_length)
+            return StaticRegenerator(model, tokenizer, sampling, max_length, kv_cache_gb)
         except EyasError as e:
             if asked != "auto":
                 raise
@@ -405,13 +407,15 @@ def run_regenerate(
     window: int = 512,
     tp: int = 1,
     trust_remote_code: bool = False,
+    kv_cache_gb: float = 0,
     on_batch: Any = None,
 ) -> Path:
     """Rewrite the assistant turns of `inputs` into `out` (JSONL). `model` may be a loaded model (with
     `tokenizer`); `on_batch(b)` runs after batch b is saved (tests use it to simulate a crash).
 
     Work is saved in batches of `batch_size` conversations (0: 256 on a GPU, 32 on a CPU); engine
-    "continuous" keeps `window` conversations in flight across batch boundaries."""
+    "continuous" keeps `window` conversations in flight across batch boundaries; engine "static" gives its
+    KV caches `kv_cache_gb` GiB (0: 60% of the free GPU memory)."""
     from eyas.assets import resolve_model
     from eyas.data.readers import SkipLog, resolve_input
 
@@ -423,6 +427,8 @@ def run_regenerate(
     batch_size = batch_size or (1024 if run_device.type == "cuda" else 32)
     if batch_size < 1 or window < 1:
         raise EyasError("--batch-size and --window must be >= 1")
+    if kv_cache_gb < 0:
+        raise EyasError(f"--kv-cache-gb must be >= 0 (0 = 60% of the free GPU memory), not {kv_cache_gb}")
     if engine not in ENGINES:
         raise EyasError(f"--engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     asked = engine
@@ -500,7 +506,7 @@ def run_regenerate(
                        lambda regen: regen.run(convs, batch_size, todo, sampling.seed, save))
         elif todo:
             regen = (ContinuousRegenerator(model, tokenizer, sampling, max_length, window) if engine == "continuous"
-                     else _local_engine(engine, asked, model, tokenizer, sampling, max_length))
+                     else _local_engine(engine, asked, model, tokenizer, sampling, max_length, kv_cache_gb))
             regen.run(convs, batch_size, todo, sampling.seed, save)
     dt = time.perf_counter() - t0
 
@@ -596,8 +602,11 @@ def cli(
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per batch, so resumed runs match). [default: 0]"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32. [default: auto]"),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any), cpu, cuda:N. [default: auto]"),
+    kv_cache_gb: float = typer.Option(0, "--kv-cache-gb", help="engine static: GiB of KV cache (more rows decode "
+                                      "at once); 0 = 60% of the free GPU memory. Set it to share the GPU with "
+                                      "other jobs. [default: 0]"),
 ) -> None:
     run_regenerate(inputs, out, model=model, sampling=Sampling(temperature, top_p, top_k, max_new_tokens, seed),
                    batch_size=batch_size, max_length=max_length, max_samples=max_samples, dtype=dtype,
                    engine=engine, window=window, tp=tp, trust_remote_code=trust_remote_code,
-                   device=device)
+                   device=device, kv_cache_gb=kv_cache_gb)
