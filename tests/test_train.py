@@ -12,6 +12,7 @@ import torch
 from _train_utils import AUX, make_store
 
 from eyas.engines.hf import HFEngine
+from eyas.export.formats import import_draft
 from eyas.model.config import DraftConfig
 from eyas.model.draft import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
@@ -202,7 +203,11 @@ def test_max_time_stops_with_a_draft_and_resume_finishes_the_same_curve(data, tm
     cut = train(tmp_path / "cut", store, max_time=1e-9, **kw)  # past the budget at the first log step
     assert not cut["complete"] and cut["steps"] == 2 and cut["total_steps"] == 6
     assert Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").config.draft_vocab_size == 48
-    assert (tmp_path / "cut" / "train_state" / "step-00000002").is_dir()
+    ckpt = tmp_path / "cut" / "train_state" / "step-00000002"
+    # a checkpoint is a draft folder too (eval, export): the same weights as the draft written at that step
+    w_ckpt = import_draft(ckpt).state_dict()
+    w_draft = Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").state_dict()
+    assert w_ckpt.keys() == w_draft.keys() and all(torch.equal(w_ckpt[k], w_draft[k]) for k in w_draft)
     done = train(tmp_path / "cut", store, resume=True, **kw)
     assert done["complete"] and done["steps"] == 6
     full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "cut")

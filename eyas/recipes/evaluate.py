@@ -219,7 +219,8 @@ class _PartialWriter:
 
 def cli(
     draft: str = typer.Option(..., "--draft", help="Draft checkpoint folder (eyas, vLLM, speculators, SpecForge or "
-                              "EAGLE layout), or `random` for an untrained draft."),
+                              "EAGLE layout; also a training checkpoint OUT/train_state/step-N while the run goes "
+                              "on), or `random` for an untrained draft."),
     model: str = typer.Option("smollm2", "--model", help="Target: `smollm2` (embedded default), a local folder or an "
                               "HF id. Default: smollm2."),
     prompts: str = typer.Option("mtbench", "--prompts", help="Comma-separated prompt sets: mtbench (80 questions, both "

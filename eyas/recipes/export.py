@@ -89,7 +89,8 @@ def run_import(src: str | Path, out: str | Path, target: str | Path | None = Non
 
 
 def cli(
-    draft: Path = typer.Argument(..., help="Draft checkpoint folder: eyas' layout, or any EAGLE-3 layout eyas reads."),
+    draft: Path = typer.Argument(..., help="Draft checkpoint folder: eyas' layout (OUT/draft, or a training "
+                              "checkpoint OUT/train_state/step-N), or any EAGLE-3 layout eyas reads."),
     format: str = typer.Option("vllm", "--format", "-f", help="vllm, sglang, speculators or all. Default: vllm."),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (with --format all, one sub-folder per format)."),
     verifier: str = typer.Option(None, "--verifier", help="The target's HF id or path as the engine should load it. "

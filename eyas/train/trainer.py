@@ -389,7 +389,8 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 
 def save_checkpoint(trainer: Trainer, root: Path, progress: dict[str, Any], keep: int) -> Path | None:
-    """Collective: rank 0 writes OUT/train_state/step-N atomically and prunes old ones."""
+    """Collective: rank 0 writes OUT/train_state/step-N atomically and prunes old ones. With its
+    config.json next to the weights, a checkpoint is also a draft folder that eval and export take."""
     draft_state, optim = trainer.draft_state(), trainer.optim_state()
     rng = rng_state()
     path = root / f"step-{trainer.step:08d}"
@@ -397,6 +398,7 @@ def save_checkpoint(trainer: Trainer, root: Path, progress: dict[str, Any], keep
         with atomic_path(path) as tmp:
             tmp.mkdir()
             save_file({k: v.contiguous() for k, v in draft_state.items()}, str(tmp / "draft.safetensors"))
+            trainer.draft.config.save(tmp / "config.json")
             torch.save({"optimizer": optim, "scheduler": trainer.sched.state_dict(), "rng": rng,
                         "window": trainer.window.cpu()}, tmp / "state.pt")
             atomic_write_json(tmp / "progress.json", {**progress, "step": trainer.step})
