@@ -93,6 +93,28 @@ def test_resume_after_a_kill_writes_the_same_file(tmp_path, tiny, tokenizer):
     assert run_regenerate([src], tmp_path / "other.jsonl", **kw).read_text() != clean
 
 
+@pytest.mark.parametrize("engine", ["generate", "static"])
+def test_max_time_writes_the_finished_batches_and_the_same_command_finishes(tmp_path, tiny, tokenizer, engine):
+    """--max-time: OUT holds the batches done when the budget ran out (usable for training at once), its
+    manifest says incomplete so nothing reuses it as up to date, and the same call resumes the rest."""
+    src = write_input(tmp_path / "in.jsonl")
+    kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, engine=engine,
+              sampling=Sampling(temperature=0, max_new_tokens=5))
+    clean = run_regenerate([src], tmp_path / "clean.jsonl", **kw).read_text().splitlines()
+    out = tmp_path / "out.jsonl"
+    cut = run_regenerate([src], out, max_time=1e-9, **kw).read_text().splitlines()  # out of time after batch 0
+    manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
+    assert cut == clean[:len(cut)] and 1 <= len(cut) < len(clean)
+    assert not manifest["complete"] and manifest["options_sha256"] is None
+    assert (manifest["batches_done"], manifest["batches"]) == (1, 3)
+    assert (tmp_path / "out.jsonl.partial").is_file()
+    assert run_regenerate([src], out, **kw).read_text().splitlines() == clean
+    assert json.loads((tmp_path / "out.jsonl.manifest.json").read_text())["complete"]
+    assert not (tmp_path / "out.jsonl.partial").exists()
+    with pytest.raises(EyasError, match="--max-time must be >= 0"):
+        run_regenerate([src], tmp_path / "neg.jsonl", max_time=-1, **kw)
+
+
 def test_max_length_cuts_conversations_before_a_turn_that_does_not_fit(tmp_path, tiny, tokenizer):
     src = write_input(tmp_path / "in.jsonl")
     out = run_regenerate([src], tmp_path / "out.jsonl", model=tiny, tokenizer=tokenizer, batch_size=5,

@@ -371,6 +371,10 @@ def _stop_ids(eos: int | list[int] | None, tokenizer: Any) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
+class _OutOfTime(Exception):
+    """--max-time passed: stop generating, keep what is saved."""
+
+
 def _read_partial(path: Path, options_sha: str) -> dict[int, dict]:
     """Finished batches of an earlier run with the same options; a torn last line is dropped."""
     if not path.is_file():
@@ -408,6 +412,7 @@ def run_regenerate(
     tp: int = 1,
     trust_remote_code: bool = False,
     kv_cache_gb: float = 0,
+    max_time: float = 0,
     on_batch: Any = None,
 ) -> Path:
     """Rewrite the assistant turns of `inputs` into `out` (JSONL). `model` may be a loaded model (with
@@ -415,7 +420,8 @@ def run_regenerate(
 
     Work is saved in batches of `batch_size` conversations (0: 256 on a GPU, 32 on a CPU); engine
     "continuous" keeps `window` conversations in flight across batch boundaries; engine "static" gives its
-    KV caches `kv_cache_gb` GiB (0: 60% of the free GPU memory)."""
+    KV caches `kv_cache_gb` GiB (0: 60% of the free GPU memory). Past `max_time` seconds (0: no limit) the
+    batches finished so far are written to `out`, marked incomplete, and the same call resumes the rest."""
     from eyas.assets import resolve_model
     from eyas.data.readers import SkipLog, resolve_input
 
@@ -427,6 +433,8 @@ def run_regenerate(
     batch_size = batch_size or (1024 if run_device.type == "cuda" else 32)
     if batch_size < 1 or window < 1:
         raise EyasError("--batch-size and --window must be >= 1")
+    if max_time < 0:
+        raise EyasError(f"--max-time must be >= 0 (0 = no limit), not {max_time}")
     if kv_cache_gb < 0:
         raise EyasError(f"--kv-cache-gb must be >= 0 (0 = 60% of the free GPU memory), not {kv_cache_gb}")
     if engine not in ENGINES:
@@ -499,30 +507,43 @@ def run_regenerate(
             progress.update(task, advance=len(new), tokens=stats.tokens)
             if on_batch is not None:
                 on_batch(b)
+            if max_time and time.perf_counter() - t0 >= max_time and len(done) < nbatches:
+                raise _OutOfTime
 
         todo = [b for b in range(nbatches) if b not in done]
-        if todo and engine == "vllm":
-            _with_vllm(model_name, sampling, max_length, tp, dtype, trust_remote_code,
-                       lambda regen: regen.run(convs, batch_size, todo, sampling.seed, save))
-        elif todo:
-            regen = (ContinuousRegenerator(model, tokenizer, sampling, max_length, window) if engine == "continuous"
-                     else _local_engine(engine, asked, model, tokenizer, sampling, max_length, kv_cache_gb))
-            regen.run(convs, batch_size, todo, sampling.seed, save)
+        try:
+            if todo and engine == "vllm":
+                _with_vllm(model_name, sampling, max_length, tp, dtype, trust_remote_code,
+                           lambda regen: regen.run(convs, batch_size, todo, sampling.seed, save))
+            elif todo:
+                regen = (ContinuousRegenerator(model, tokenizer, sampling, max_length, window)
+                         if engine == "continuous" else
+                         _local_engine(engine, asked, model, tokenizer, sampling, max_length, kv_cache_gb))
+                regen.run(convs, batch_size, todo, sampling.seed, save)
+        except _OutOfTime:
+            pass
     dt = time.perf_counter() - t0
+    complete = len(done) == nbatches
 
     total = Stats()
     kept = 0
     with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for b in range(nbatches):
+        for b in sorted(done):
             total.add(done[b]["stats"])
             for c in done[b]["conversations"]:
                 if c is not None:
                     f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
                     kept += 1
     total.conversations = kept
-    atomic_write_json(mfile, {"format": FORMAT, "options_sha256": options_sha, **options,
+    # a run cut by --max-time is not up to date (no options_sha256): the same command resumes it
+    atomic_write_json(mfile, {"format": FORMAT, "options_sha256": options_sha if complete else None, **options,
+                              "complete": complete, "batches_done": len(done), "batches": nbatches,
                               "stats": asdict(total), "skipped_inputs": dict(log.counts)})
-    partial.unlink(missing_ok=True)
+    if complete:
+        partial.unlink(missing_ok=True)
+    else:
+        typer.echo(f"stopped by --max-time {max_time:g}s after {len(done)}/{nbatches} batches: {out} holds those; "
+                   f"the same command resumes from {partial}", err=True)
     typer.echo(f"regenerated {total.turns:,} turns of {kept:,} conversations into {out}: {stats.tokens:,} new "
                f"tokens in {dt:.1f}s ({stats.tokens / max(dt, 1e-9):,.0f} tok/s); {total.unfinished} replies hit "
                f"--max-new-tokens, {total.truncated} conversations cut at --max-length, {total.dropped} dropped",
@@ -602,6 +623,9 @@ def cli(
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per batch, so resumed runs match). [default: 0]"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32. [default: auto]"),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any), cpu, cuda:N. [default: auto]"),
+    max_time: float = typer.Option(0, "--max-time", help="Wall-clock budget in seconds: past it, the batches "
+                                   "finished so far are written to OUT (its manifest says complete: false) and "
+                                   "the same command resumes the rest. 0 = no limit. [default: 0]"),
     kv_cache_gb: float = typer.Option(0, "--kv-cache-gb", help="engine static: GiB of KV cache (more rows decode "
                                       "at once); 0 = 60% of the free GPU memory. Set it to share the GPU with "
                                       "other jobs. [default: 0]"),
@@ -609,4 +633,4 @@ def cli(
     run_regenerate(inputs, out, model=model, sampling=Sampling(temperature, top_p, top_k, max_new_tokens, seed),
                    batch_size=batch_size, max_length=max_length, max_samples=max_samples, dtype=dtype,
                    engine=engine, window=window, tp=tp, trust_remote_code=trust_remote_code,
-                   device=device, kv_cache_gb=kv_cache_gb)
+                   device=device, kv_cache_gb=kv_cache_gb, max_time=max_time)
