@@ -1,0 +1,78 @@
+"""Move a draft between machines in files of under 15 MiB (a device call returns at most 8 files of
+16 MiB): bf16 weights without the embedding, which is the target's and is put back on arrival.
+
+    python3 draft_parts.py pack RUN/train OUTDIR      # the newest of RUN/train/draft and its checkpoints
+    python3 draft_parts.py unpack OUTDIR DRAFT_DIR    # here: a full eyas draft folder, embedding from smollm2
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+LIMIT = 15 * 2**20
+
+
+def newest_draft(train: Path) -> tuple[Path, Path]:
+    """(weights file, config.json) of the finished draft, else of the latest checkpoint."""
+    if (train / "draft" / "model.safetensors").is_file():
+        return train / "draft" / "model.safetensors", train / "draft" / "config.json"
+    ckpts = sorted(p for p in (train / "train_state").glob("step-*") if (p / "config.json").is_file())
+    if not ckpts:
+        raise SystemExit(f"no draft or checkpoint in {train}")
+    return ckpts[-1] / "draft.safetensors", ckpts[-1] / "config.json"
+
+
+def pack(train: Path, out: Path) -> None:
+    weights, config = newest_draft(train)
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+             for k, v in load_file(str(weights)).items() if k != "embed_tokens.weight"}
+    parts: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        rows = max(1, LIMIT // max(1, v[0].numel() * v.element_size())) if v.dim() else 1
+        for i in range(0, v.shape[0] if v.dim() else 1, rows):  # a big tensor goes in slices of rows
+            piece = v[i:i + rows] if v.dim() else v
+            n = piece.numel() * piece.element_size()
+            if size + n > LIMIT and parts[-1]:
+                parts.append({})
+                size = 0
+            parts[-1][f"{k}@{i}"] = piece.clone()
+            size += n
+    for i, p in enumerate(parts):
+        save_file(p, str(out / f"draft.part{i}.safetensors"))
+    shutil.copy(config, out / "draft_config.json")
+    print(f"packed {weights} into {len(parts)} parts")
+
+
+def unpack(src: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from eyas.assets import smollm2_dir
+    from eyas.model.config import DraftConfig
+    from eyas.model.draft import Eagle3Draft
+
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for f in src.glob("draft.part*.safetensors"):
+        for k, v in load_file(str(f)).items():
+            name, _, row = k.partition("@")
+            pieces.setdefault(name, []).append((int(row), v))
+    state = {k: torch.cat([v for _, v in sorted(vs, key=lambda t: t[0])]) if vs[0][1].dim() else vs[0][1]
+             for k, vs in pieces.items()}
+    target = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
+    state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
+    draft = Eagle3Draft(DraftConfig.load(src / "draft_config.json"))
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    draft.save_pretrained(out)
+    print(f"draft at {out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] not in ("pack", "unpack"):
+        raise SystemExit(__doc__)
+    (pack if sys.argv[1] == "pack" else unpack)(Path(sys.argv[2]), Path(sys.argv[3]))
