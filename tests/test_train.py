@@ -171,6 +171,17 @@ def test_held_out_samples_are_never_trained_on_and_measure_the_draft(data, tmp_p
     again = train(tmp_path / "again", store, max_steps=1, lr=0.0, val_samples=20, init_draft=tmp_path / "run" / "draft")
     assert again["final"]["val"]["loss"] == pytest.approx(res["final"]["val"]["loss"], rel=1e-5)
 
+    # OUT/draft-best keeps the weights of the best validation (held-out tau_sim, then loss): here a learning
+    # rate far too high wrecks the trained draft step after step, so the best is not simply the last
+    wreck = train(tmp_path / "wreck", store, max_steps=4, lr=0.3, val_samples=20, val_every=1,
+                  init_draft=tmp_path / "run" / "draft")
+    vals = {m["step"]: m["val"] for m in metrics(tmp_path / "wreck") if "val" in m}
+    best = max(vals, key=lambda k: (vals[k]["tau_sim"], -vals[k]["loss"]))
+    assert wreck["best"]["step"] == best and wreck["best"]["draft"] == "draft-best"
+    check = train(tmp_path / "check", store, max_steps=1, lr=0.0, val_samples=20,
+                  init_draft=tmp_path / "wreck" / "draft-best")
+    assert check["final"]["val"]["loss"] == pytest.approx(vals[best]["loss"], rel=1e-5)
+
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):

@@ -67,6 +67,7 @@ def run_train(
         token_counts,
     )
     from eyas.train.trainer import (
+        BEST_DRAFT,
         MetricsLog,
         TrainConfig,
         Trainer,
@@ -74,6 +75,7 @@ def run_train(
         load_checkpoint,
         run_loop,
         save_checkpoint,
+        save_draft,
     )
 
     cfg = TrainConfig(**train_options)
@@ -226,18 +228,15 @@ def run_train(
     timed_out = bool(progress.pop("timed_out", False)) and trainer.step < total
     if cfg.save_every or timed_out:
         save_checkpoint(trainer, root, dict(progress), cfg.keep_checkpoints)
-    state = trainer.draft_state()  # collective under FSDP
+    save_draft(trainer, out / "draft")  # collective under FSDP
     # a run cut by --max-time leaves its draft but is not up to date: a rerun with --resume finishes it
     result = {"format": "eyas.train/1", "options_sha256": None if timed_out else options_sha, "draft": "draft",
               "complete": not timed_out, "steps": trainer.step, "total_steps": total,
               "tokens": progress.get("tokens", 0), "seconds": time.perf_counter() - t0, "final": last,
               "options": options}
+    if progress.get("best_val"):
+        result["best"] = {"draft": BEST_DRAFT, **progress["best_val"]}
     if info.is_main:
-        final = Eagle3Draft(dcfg)
-        final.load_state_dict(state)
-        if trainer.bf16:
-            final = final.to(torch.bfloat16)
-        final.save_pretrained(out / "draft")
         atomic_write_json(mpath, result)
         say(f"draft saved to {out / 'draft'} ({trainer.step} steps, final loss {last.get('loss', float('nan')):.3f}, "
             f"tau_sim {last.get('tau_sim', float('nan')):.2f})")
@@ -311,7 +310,8 @@ def cli(
                                    "[default: auto]"),
     val_samples: int = typer.Option(0, "--val-samples", help="Hold this many samples (drawn at random, seeded) out of "
                                     "training and measure the draft on them: loss, per-step accuracy and tau_sim on "
-                                    "data it never saw, next to the training figures. [default: 0 = none]"),
+                                    "data it never saw, next to the training figures; the draft of the best validation "
+                                    "(held-out tau_sim) is kept in OUT/draft-best. [default: 0 = none]"),
     val_every: int = typer.Option(0, "--val-every", help="Optimizer steps between validations (with --val-samples); "
                                   "0 = only at the end. [default: 0]"),
     log_every: int = typer.Option(10, "--log-every", help="Optimizer steps between log lines. [default: 10]"),

@@ -409,6 +409,24 @@ def save_checkpoint(trainer: Trainer, root: Path, progress: dict[str, Any], keep
     return path if trainer.info.is_main else None
 
 
+def save_draft(trainer: Trainer, path: Path) -> None:
+    """Collective (the state is gathered under FSDP): rank 0 writes the draft folder at `path`
+    atomically, in bf16 when the run trains in bf16."""
+    state = trainer.draft_state()
+    if trainer.info.is_main:
+        draft = Eagle3Draft(trainer.draft.config)
+        draft.load_state_dict(state)
+        (draft.to(torch.bfloat16) if trainer.bf16 else draft).save_pretrained(path)
+
+
+BEST_DRAFT = "draft-best"
+
+
+def _improves(val: dict[str, Any], best: dict[str, Any] | None) -> bool:
+    """Held-out tau_sim decides (it is what acceptance follows); the loss breaks a tie."""
+    return best is None or (val["tau_sim"], -val["loss"]) > (best["tau_sim"], -best["loss"])
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     done = sorted(p for p in root.glob("step-*") if (p / "progress.json").is_file())
     return done[-1] if done else None
@@ -507,7 +525,8 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
              validate: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Consume `batches` (eyas.train.data.iterate_batches) until `total_steps` optimizer steps,
     logging and checkpointing; `validate()` (collective) measures held-out data every `val_every` steps
-    and at the end. Returns the last logged metrics, with the last validation's under "val"."""
+    and at the end, keeping the draft of the best one in OUT/draft-best. Returns the last logged metrics,
+    with the last validation's under "val"."""
     from eyas.train.data import fill_states
     from eyas.utils.progress import progress_bar
 
@@ -568,9 +587,13 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                 tv = time.perf_counter()
                 val = validate()
                 tw += time.perf_counter() - tv  # kept out of the training rate
+                best = _improves(val, progress_state.get("best_val"))  # the same figure on every rank
+                if best:
+                    progress_state["best_val"] = {"step": trainer.step, "tau_sim": val["tau_sim"], "loss": val["loss"]}
+                    save_draft(trainer, out / BEST_DRAFT)
                 if show:
                     log(f"validation at step {trainer.step} ({val['valid_tokens']:,} held-out tokens): "
-                        f"{format_info(val)}")
+                        f"{format_info(val)}" + (f"; the best so far, in {out / BEST_DRAFT}" if best else ""))
                     if metrics is not None:
                         metrics.write_val(trainer.step, val)
                 last = {**last, "val": val}
