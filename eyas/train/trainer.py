@@ -586,11 +586,11 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
             if validate is not None and (is_last or (cfg.val_every and trainer.step % cfg.val_every == 0)):
                 tv = time.perf_counter()
                 val = validate()
-                tw += time.perf_counter() - tv  # kept out of the training rate
                 best = _improves(val, progress_state.get("best_val"))  # the same figure on every rank
                 if best:
                     progress_state["best_val"] = {"step": trainer.step, "tau_sim": val["tau_sim"], "loss": val["loss"]}
                     save_draft(trainer, out / BEST_DRAFT)
+                tw += time.perf_counter() - tv  # kept out of the training rate
                 if show:
                     log(f"validation at step {trainer.step} ({val['valid_tokens']:,} held-out tokens): "
                         f"{format_info(val)}" + (f"; the best so far, in {out / BEST_DRAFT}" if best else ""))
