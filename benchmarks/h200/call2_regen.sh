@@ -15,9 +15,9 @@ if [ ! -d "$W/warm" ] && [ -z "${NO_WARMUP:-}" ]; then  # placeholder replies: o
     --max-steps 4 --max-time 0.001 --lr 0.0005 $EXTRA_TRAIN >> "$W/warm.log" 2>&1 &
 fi
 echo "set up after $(elapsed) s"
+BUDGET=$(( DEADLINE - 40 - $(elapsed) )); [ "$BUDGET" -ge 1 ] || BUDGET=1  # 40 s left for prepare
 eyas regenerate -i "$W/users.jsonl" --out "$W/regen.jsonl" --max-samples "$SAMPLES" --engine "${ENGINE:-static}" \
-  --max-new-tokens 256 --max-length 2048 --temperature 0 --max-time $(( DEADLINE - 40 - $(elapsed) > 1 ? DEADLINE - 40 - $(elapsed) : 1 )) \
-  > "$W/regen.log" 2>&1
+  --max-new-tokens 256 --max-length 2048 --temperature 0 --max-time "$BUDGET" > "$W/regen.log" 2>&1
 tail -n 3 "$W/regen.log"
 if grep -q '"complete": true' "$W/regen.jsonl.manifest.json"; then
   eyas prepare "$W/regen.jsonl" --out "$W/prepared" --max-length 2048 --num-workers "${WORKERS:-12}" 2>&1 | tail -n 8

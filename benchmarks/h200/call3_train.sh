@@ -4,13 +4,14 @@
 #   DEADLINE=540 STEPS=5000 bash benchmarks/h200/call3_train.sh
 source benchmarks/h200/env.sh
 T0=$(date +%s); DEADLINE=${DEADLINE:-540}
-if ! pgrep -f "eyas.cli train --prepared $W/prepared" > /dev/null && ! grep -qs "draft saved" "$W/train.log"; then
+training() { pgrep -f "eyas.cli train --prepared $W/prepared" > /dev/null; }
+if ! training && ! grep -qs "draft saved" "$W/train.log"; then
   setsid nohup "$PY" -m eyas.cli train --prepared "$W/prepared" --online --model smollm2 --out "$W/train" \
     --max-steps "${STEPS:-5000}" --lr "${LR:-0.0005}" --save-every "${SAVE:-300}" --log-every 100 \
     --val-samples "${VAL:-200}" --val-every 1000 --num-workers 6 --resume $EXTRA_TRAIN >> "$W/train.log" 2>&1 &
   sleep 5
 fi
-while [ "$(elapsed)" -lt "$DEADLINE" ] && pgrep -f "eyas.cli train --prepared $W/prepared" > /dev/null; do sleep 10; done
+while [ "$(elapsed)" -lt "$DEADLINE" ] && training; do sleep 10; done
 grep -v Loading "$W/train.log" | tail -n 12
 "$PY" benchmarks/h200/draft_parts.py pack "$W/train" "$OUT"
 cp "$W/train/metrics.jsonl" "$OUT"/ 2>/dev/null; tail -c 60000 "$W/train.log" > "$OUT/train.log"

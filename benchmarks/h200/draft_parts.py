@@ -34,7 +34,6 @@ def pack(train: Path, out: Path) -> None:
     parts: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in state.items():
-        n = v.numel() * v.element_size()
         rows = max(1, LIMIT // max(1, v[0].numel() * v.element_size())) if v.dim() else 1
         for i in range(0, v.shape[0] if v.dim() else 1, rows):  # a big tensor goes in slices of rows
             piece = v[i:i + rows] if v.dim() else v
@@ -51,11 +50,10 @@ def pack(train: Path, out: Path) -> None:
 
 
 def unpack(src: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
+    """The parts joined into OUT (model.safetensors + config.json), then read back through eyas' own
+    importer, which checks the draft against the target and fills in the target's embedding."""
     from eyas.assets import smollm2_dir
-    from eyas.model.config import DraftConfig
-    from eyas.model.draft import Eagle3Draft
+    from eyas.export.formats import import_draft
 
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for f in src.glob("draft.part*.safetensors"):
@@ -64,11 +62,10 @@ def unpack(src: Path, out: Path) -> None:
             pieces.setdefault(name, []).append((int(row), v))
     state = {k: torch.cat([v for _, v in sorted(vs, key=lambda t: t[0])]) if vs[0][1].dim() else vs[0][1]
              for k, vs in pieces.items()}
-    target = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
-    state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
-    draft = Eagle3Draft(DraftConfig.load(src / "draft_config.json"))
-    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    draft.save_pretrained(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    shutil.copy(src / "draft_config.json", out / "config.json")
+    import_draft(out, target=smollm2_dir()).save_pretrained(out)  # fp32, with the embedding
     print(f"draft at {out}")
 
 

@@ -624,8 +624,9 @@ def cli(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32. [default: auto]"),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any), cpu, cuda:N. [default: auto]"),
     max_time: float = typer.Option(0, "--max-time", help="Wall-clock budget in seconds (looked at after each saved "
-                                   "batch): past it, the batches finished so far are written to OUT (its manifest says complete: false) and "
-                                   "the same command resumes the rest. 0 = no limit. [default: 0]"),
+                                   "batch): past it, the batches finished so far are written to OUT (its manifest "
+                                   "says complete: false) and the same command resumes the rest. 0 = no limit. "
+                                   "[default: 0]"),
     kv_cache_gb: float = typer.Option(0, "--kv-cache-gb", help="engine static: GiB of KV cache (more rows decode "
                                       "at once); 0 = 60% of the free GPU memory. Set it to share the GPU with "
                                       "other jobs. [default: 0]"),
