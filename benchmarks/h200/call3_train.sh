@@ -3,7 +3,7 @@
 # parts (benchmarks/h200/draft_parts.py), so a lost machine costs only the steps since the last call.
 #   DEADLINE=540 STEPS=5000 bash benchmarks/h200/call3_train.sh
 source benchmarks/h200/env.sh
-T0=$(date +%s); DEADLINE=${DEADLINE:-540}
+DEADLINE=${DEADLINE:-540}
 training() { pgrep -f "eyas.cli train --prepared $W/prepared" > /dev/null; }
 if ! training && ! grep -qs "draft saved" "$W/train.log"; then
   setsid nohup "$PY" -m eyas.cli train --prepared "$W/prepared" --online --model smollm2 --out "$W/train" \

@@ -2,7 +2,7 @@
 # draft, until DEADLINE seconds; the report comes back. Resumable: run it again to go on.
 #   DEADLINE=540 PROMPTS=20 bash benchmarks/h200/call4_eval.sh
 source benchmarks/h200/env.sh
-T0=$(date +%s); DEADLINE=${DEADLINE:-540}
+DEADLINE=${DEADLINE:-540}
 timeout $(( DEADLINE - 20 )) "$PY" -m eyas.cli eval --model smollm2 --draft "$W/train/draft" --prompts mtbench \
   --temperature 0 --max-prompts "${PROMPTS:-20}" --max-new-tokens "${NEW:-192}" --chain 7 --tree 60:7:10 --no-baseline \
   --dtype float32 --out "$W/eval" > "$W/eval.log" 2>&1

@@ -7,4 +7,7 @@ export PYTHONPATH=$W/site:$REPO PYTHONUNBUFFERED=1 EYAS_PROGRESS_EVERY=30 TOKENI
 export EYAS_SMOLLM2_GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf EYAS_MTBENCH=$W/question.jsonl EYAS_CACHE=$W/cache
 export TORCHINDUCTOR_CACHE_DIR=$W/inductor
 eyas() { "$PY" -m eyas.cli "$@"; }
+# DEADLINEs count from T0: the call's start when scripts are chained in one call
+# (CALL_T0=$(date +%s); export CALL_T0; bash a.sh; bash b.sh), else the script's own start.
+T0=${CALL_T0:-$(date +%s)}
 elapsed() { echo $(( $(date +%s) - T0 )); }
