@@ -8,6 +8,7 @@
 source benchmarks/h200/env.sh
 DEADLINE=${DEADLINE:-540}; SAMPLES=${SAMPLES:-0}; TEMP=${TEMP:-0}; SEED=${SEED:-0}
 NAME=regen; [ "$TEMP" = 0 ] || NAME=regen_t${TEMP}_s${SEED}
+complete() { grep -qs '"complete": true' "$W/$NAME.jsonl.manifest.json"; }
 if [ ! -f "$EYAS_SMOLLM2_GGUF" ]; then
   cp "$BUNDLE"/b/*.whl "$W"/ && "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$W"/*.whl
   cat "$W/gguf.part00" "$BUNDLE/b/gguf.part01" > "$EYAS_SMOLLM2_GGUF" && rm "$W/gguf.part00"
@@ -32,12 +33,12 @@ eyas regenerate -i "$W/users.jsonl" --out "$W/$NAME.jsonl" --max-samples "$SAMPL
   --max-new-tokens 256 --max-length 2048 --temperature "$TEMP" --seed "$SEED" --max-time "$BUDGET" \
   > "$W/$NAME.log" 2>&1
 tail -n 3 "$W/$NAME.log"
-if [ -n "${PREPARE:-}" ] || grep -q '"complete": true' "$W/$NAME.jsonl.manifest.json"; then
+if [ -n "${PREPARE:-}" ] || complete; then
   eyas prepare "$W"/regen*.jsonl --out "$W/prepared" --max-length 2048 --num-workers "${WORKERS:-12}" 2>&1 | tail -n 8
 fi
 cp "$W/$NAME.log" "$W/$NAME.jsonl.manifest.json" "$OUT"/ 2>/dev/null
-if grep -q '"complete": true' "$W/$NAME.jsonl.manifest.json"; then
-  xz -T0 -c "$W/$NAME.jsonl" | split -b 15M -d - "$OUT/$NAME.jsonl.xz."
+if complete; then  # unless it was carried in complete: then there is nothing new to bring back
+  [ -f "$BUNDLE/c/$NAME.jsonl.xz.00" ] || xz -T0 -c "$W/$NAME.jsonl" | split -b 15M -d - "$OUT/$NAME.jsonl.xz."
 elif [ -f "$W/$NAME.jsonl.partial" ]; then
   xz -T0 -c "$W/$NAME.jsonl.partial" | split -b 15M -d - "$OUT/$NAME.partial.xz."
 fi
