@@ -422,6 +422,11 @@ def test_prompt_sets(tmp_path):
     assert [s.name for s in sets] == ["mtbench", "chats"] and sets[0].num_turns == 3
     with pytest.raises(EyasError):
         load_prompt_sets("no-such-set")
+    # MT-Bench-style records written raw (ensure_ascii=False): a U+2028 inside a turn is not a line break
+    q = tmp_path / "questions.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "turns": [f"a\u2028{i}", "b"]}, ensure_ascii=False) + "\n"
+                         for i in (1, 2)), encoding="utf-8")
+    assert [(it.id, it.turns) for it in chat_file_set(q).items] == [("1", ["a\u20281", "b"]), ("2", ["a\u20282", "b"])]
     # MT-Bench's own question.jsonl, named, as on a machine without the MT-Bench package
     from eyas.assets import mtbench_path
 

@@ -36,7 +36,7 @@ def tiny(tokenizer):
 
 
 CONVS = [
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\u2028there"},
                   {"role": "assistant", "content": "OLD-1"}, {"role": "user", "content": "And then?"},
                   {"role": "assistant", "content": "OLD-2"}]},
     {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "OLD-3"}]},
@@ -65,8 +65,8 @@ def test_rewrites_assistant_turns_and_keeps_the_structure(tmp_path, tiny, tokeni
                 assert ma["content"] != mb["content"] and "OLD" not in ma["content"]
             else:
                 assert ma == mb
-    lines = out.read_text().splitlines()
-    assert all(set(json.loads(line)) == {"messages"} for line in lines)
+    lines = out.read_bytes().splitlines()
+    assert len(lines) == 5 and all(set(json.loads(line)) == {"messages"} for line in lines)
     manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
     assert manifest["stats"]["turns"] == 7 and manifest["stats"]["conversations"] == 5
     assert not (tmp_path / "out.jsonl.partial").exists()
@@ -84,10 +84,12 @@ def test_resume_after_a_kill_writes_the_same_file(tmp_path, tiny, tokenizer):
     with pytest.raises(KeyboardInterrupt):
         run_regenerate([src], tmp_path / "out.jsonl", on_batch=kill, **kw)
     partial = tmp_path / "out.jsonl.partial"
-    assert not (tmp_path / "out.jsonl").exists() and len(partial.read_text().splitlines()) == 3  # header + 2
+    assert not (tmp_path / "out.jsonl").exists() and partial.read_bytes().count(b"\n") == 3  # header + 2
     with open(partial, "a") as f:
         f.write('{"batch": 2, "conversa')  # the kill cut a line in half
-    assert run_regenerate([src], tmp_path / "out.jsonl", **kw).read_text() == clean
+    redone: list[int] = []  # batch 0 holds a U+2028 (str.splitlines breaks there): it must not be redone
+    assert run_regenerate([src], tmp_path / "out.jsonl", on_batch=redone.append, **kw).read_text() == clean
+    assert redone == [2]
     # sampling is really seeded: another seed gives other replies
     kw["sampling"] = Sampling(max_new_tokens=5, seed=12)
     assert run_regenerate([src], tmp_path / "other.jsonl", **kw).read_text() != clean
@@ -178,7 +180,7 @@ def test_continuous_engine_writes_what_generate_writes_and_resumes(tmp_path, tin
 
     with pytest.raises(KeyboardInterrupt):
         run_regenerate([src], tmp_path / "out.jsonl", on_batch=kill, **kw)
-    assert len((tmp_path / "out.jsonl.partial").read_text().splitlines()) == 2  # header + batch 0
+    assert (tmp_path / "out.jsonl.partial").read_bytes().count(b"\n") == 2  # header + batch 0
     assert run_regenerate([src], tmp_path / "out.jsonl", **kw).read_text() == ref
     stats = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())["stats"]
     assert stats["turns"] == 7 and stats["conversations"] == 5

@@ -125,7 +125,7 @@ def _read_records(path: Path) -> list[Any]:
     text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix == ".jsonl":
         out = []
-        for line in text.splitlines():
+        for line in text.split("\n"):  # not splitlines(): a prompt may hold U+2028
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:

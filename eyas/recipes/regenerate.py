@@ -376,22 +376,29 @@ class _OutOfTime(Exception):
 
 
 def _read_partial(path: Path, options_sha: str) -> dict[int, dict]:
-    """Finished batches of an earlier run with the same options; a torn last line is dropped."""
+    """Finished batches of an earlier run with the same options; a torn last line is dropped.
+
+    Lines are split on "\n" only: replies hold U+2028 and other characters that `str.splitlines` also
+    breaks on, which would cut a saved batch in two and silently redo it and every batch after it."""
     if not path.is_file():
         return {}
     batches: dict[int, dict] = {}
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    lines = path.read_bytes().split(b"\n")
     try:
-        head = json.loads(lines[0]) if lines else {}
-    except json.JSONDecodeError:
+        head = json.loads(lines[0])
+    except (json.JSONDecodeError, UnicodeDecodeError):
         head = {}
     if head.get("options_sha256") != options_sha:
+        if len(lines) > 2:
+            typer.echo(f"{path} holds batches of a run with other inputs or options: starting over", err=True)
         return {}
     for line in lines[1:]:
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
             batches[int(rec["batch"])] = rec
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
             break  # a line cut by the kill: this batch and anything after it is redone
     return batches
 

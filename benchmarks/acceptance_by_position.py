@@ -1,0 +1,135 @@
+"""Where in a reply does the draft agree with the target? Teacher-forced draft accuracy by position.
+
+    python3 benchmarks/acceptance_by_position.py --draft DRAFT --data regen.jsonl --samples 12
+    python3 benchmarks/acceptance_by_position.py --smoke     # CPU: untrained draft, 2 conversations
+
+Training reports one accuracy per TTT step, averaged over every assistant token of every turn. A
+decoding benchmark like MT-Bench at 192 new tokens only sees the start of each reply. This script
+runs the target over real conversations (their replies as written, e.g. the target's own rewrite),
+then the draft unrolled exactly as in training (eyas.train.ttt: TTT attention, the step's own
+previous output fed back), and splits the draft's agreement with the target's argmax by the
+predicted token's position inside its reply. The last column compares each band with all tokens:
+if the figures fall well below 1 early in a reply, training accuracy overstates what a short
+decoding benchmark will see (and where the draft needs more or better data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eyas.assets import resolve_model  # noqa: E402
+from eyas.data.chat import ChatEncoder  # noqa: E402
+from eyas.data.readers import read_conversations  # noqa: E402
+from eyas.eval.target import HFTarget  # noqa: E402
+from eyas.model.attention import TTTAttention  # noqa: E402
+from eyas.recipes.evaluate import load_draft  # noqa: E402
+from eyas.recipes.regenerate import load_generator  # noqa: E402
+from eyas.train.ttt import shift_left  # noqa: E402
+
+
+def reply_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] 0/1 -> [T]: index of each assistant token inside its reply (a run of ones), -1 elsewhere."""
+    pos = torch.full_like(loss_mask, -1, dtype=torch.long)
+    run = -1
+    for t, m in enumerate(loss_mask.tolist()):
+        run = run + 1 if m else -1
+        pos[t] = run
+    return pos
+
+
+@torch.inference_mode()
+def measure(draft, target: HFTarget, encoded: list, steps: int, band: int, bands: int) -> tuple[torch.Tensor, ...]:
+    """-> correct and count [bands + 2, steps] (rows: the bands, the open last band, all tokens), and
+    [2]: reply tokens that are the target's own argmax, reply tokens."""
+    d2t_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+    correct, count = torch.zeros(bands + 2, steps), torch.zeros(bands + 2, steps)
+    agree = torch.zeros(2)
+    dev = target.device
+    for enc in encoded:
+        ids = torch.as_tensor(enc.input_ids, dtype=torch.long, device=dev)[None]  # [1, T]
+        T = ids.shape[1]
+        logits, aux = target.forward(ids, torch.arange(T, device=dev)[None], target.new_cache())
+        tgt = logits.argmax(-1).cpu()  # [T]: the target's next token after position t
+        mask = torch.as_tensor(enc.loss_mask, dtype=torch.long)
+        where = reply_positions(mask)
+        agree += torch.tensor([float((tgt[:-1] == ids[0, 1:].cpu())[mask[1:] == 1].sum()), float(mask[1:].sum())])
+        hidden = draft.fuse(aux[None])
+        attend = TTTAttention("math")
+        positions = torch.arange(T, device=dev)[None]
+        for j in range(steps):
+            hidden = draft(shift_left(ids, 1 + j), hidden, positions + j, attend)  # row t predicts token t+2+j
+            pred = d2t_ids[draft.logits(hidden)[0].argmax(-1)].cpu()
+            rows = torch.arange(T - 2 - j)
+            tok = rows + 2 + j  # the predicted token's index
+            ok = mask[tok] == 1
+            rows, tok = rows[ok], tok[ok]
+            hit = (pred[rows] == tgt[rows + 1 + j]).float()
+            b = (where[tok] // band).clamp(max=bands)
+            correct[:, j] += torch.zeros(bands + 2).index_add_(0, b, hit)
+            count[:, j] += torch.bincount(b, minlength=bands + 2).float()
+    correct[-1], count[-1] = correct[:-1].sum(0), count[:-1].sum(0)
+    return correct, count, agree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default="random", help="draft folder, or `random` (untrained)")
+    ap.add_argument("--model", default="smollm2", help="target folder or alias [smollm2]")
+    ap.add_argument("--data", help="chat file with assistant replies (ShareGPT / messages JSONL, as prepare reads)")
+    ap.add_argument("--samples", type=int, default=12, help="conversations to use (the first N) [12]")
+    ap.add_argument("--turns", type=int, default=1, help="user/assistant turn pairs kept per conversation [1]")
+    ap.add_argument("--steps", type=int, default=7, help="TTT steps to unroll [7]")
+    ap.add_argument("--band", type=int, default=64, help="reply tokens per band [64]")
+    ap.add_argument("--bands", type=int, default=3, help="bands before the last, open one [3]")
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--dtype", default="float32", help="float32 (exact, CPU) or bfloat16")
+    ap.add_argument("--smoke", action="store_true", help="untrained draft on 2 made-up conversations")
+    args = ap.parse_args()
+
+    if args.smoke:
+        convs = [[{"role": "user", "content": "Name three colors."},
+                  {"role": "assistant", "content": "Red, green and blue. " * 12}],
+                 [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"}]]
+        args.draft, args.band, args.bands = "random", 16, 2
+    elif not args.data:
+        ap.error("--data is required (or --smoke)")
+    else:
+        convs = read_conversations([args.data])[: args.samples]
+    target_path = resolve_model(args.model)
+    model, tokenizer = load_generator(target_path, args.dtype)
+    draft = load_draft(args.draft, target_path, model, model.device, model.dtype).eval()
+    encoder = ChatEncoder(tokenizer, max_length=args.max_length)
+    encoded = []
+    for messages in convs:
+        keep, turns = [], 0
+        for m in messages:
+            turns += m["role"] == "user"
+            if turns > args.turns:
+                break
+            keep.append(m)
+        encoded.append(encoder.encode(keep))
+    target = HFTarget(model, list(draft.config.aux_layer_ids))
+    try:
+        correct, count, agree = measure(draft, target, encoded, args.steps, args.band, args.bands)
+    finally:
+        target.close()
+    acc = correct / count.clamp_min(1)
+    print(f"{len(encoded)} conversations, {int(count[-1, 0]):,} reply tokens; draft {args.draft}; "
+          f"the data's token is the target's argmax for {agree[0] / max(agree[1], 1):.1%} of them")
+    head = " | ".join(f"step {j}" for j in range(args.steps))
+    print(f"| reply tokens | tokens | {head} | step 0 vs all |")
+    print("|" + " --- |" * 2 + " ---: |" * (args.steps + 1))
+    names = [f"{b * args.band}-{(b + 1) * args.band - 1}" for b in range(args.bands)]
+    for b, name in enumerate([*names, f">= {args.bands * args.band}", "all"]):
+        cells = " | ".join(f"{a:.2f}" for a in acc[b].tolist())
+        print(f"| {name} | {int(count[b, 0]):,} | {cells} | {acc[b, 0] / acc[-1, 0].clamp_min(1e-9):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
