@@ -72,7 +72,7 @@ def test_rewrites_assistant_turns_and_keeps_the_structure(tmp_path, tiny, tokeni
     assert not (tmp_path / "out.jsonl.partial").exists()
 
 
-def test_resume_after_a_kill_writes_the_same_file(tmp_path, tiny, tokenizer):
+def test_resume_after_a_kill_writes_the_same_file(tmp_path, tiny, tokenizer, capsys):
     src = write_input(tmp_path / "in.jsonl")
     kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, sampling=Sampling(max_new_tokens=5, seed=11))
     clean = run_regenerate([src], tmp_path / "clean.jsonl", **kw).read_text()
@@ -85,11 +85,18 @@ def test_resume_after_a_kill_writes_the_same_file(tmp_path, tiny, tokenizer):
         run_regenerate([src], tmp_path / "out.jsonl", on_batch=kill, **kw)
     partial = tmp_path / "out.jsonl.partial"
     assert not (tmp_path / "out.jsonl").exists() and partial.read_bytes().count(b"\n") == 3  # header + 2
+    partial_lines = partial.read_text(encoding="utf-8").split("\n")
     with open(partial, "a") as f:
         f.write('{"batch": 2, "conversa')  # the kill cut a line in half
     redone: list[int] = []  # batch 0 holds a U+2028 (str.splitlines breaks there): it must not be redone
     assert run_regenerate([src], tmp_path / "out.jsonl", on_batch=redone.append, **kw).read_text() == clean
     assert redone == [2]
+    # batches of a run with other options are not taken, and the user is told so
+    other = tmp_path / "changed.jsonl.partial"
+    other.write_text('{"options_sha256": "0"}\n' + partial_lines[1] + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert run_regenerate([src], tmp_path / "changed.jsonl", **kw).read_text() == clean
+    assert "holds batches of a run with other inputs or options: starting over" in capsys.readouterr().err
     # sampling is really seeded: another seed gives other replies
     kw["sampling"] = Sampling(max_new_tokens=5, seed=12)
     assert run_regenerate([src], tmp_path / "other.jsonl", **kw).read_text() != clean
