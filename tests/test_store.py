@@ -48,11 +48,11 @@ def head() -> TargetHead:
     return TargetHead(torch.randn(V, H, generator=g), torch.rand(H, generator=g), torch.randn(V, H, generator=g), 1e-5)
 
 
-def write_store(out, lengths, m: StoreMeta, on_shard=None, shard_bytes=6000):
+def write_store(out, lengths, m: StoreMeta, on_shard=None, shard_bytes=6000, num_writers=2):
     """What `extract` does, with fake states: plan, fill each shard's buffer, write, finalize."""
     lengths = np.asarray(lengths)
     plan = prepare_partial(out, m, plan_shards(lengths, m.bytes_per_token(), shard_bytes))
-    w = StoreWriter(out, m, lengths, plan, on_shard=on_shard)
+    w = StoreWriter(out, m, lengths, plan, on_shard=on_shard, num_writers=num_writers)
     try:
         for shard in w.todo():
             buf = w.acquire(shard)
@@ -136,8 +136,8 @@ def test_resume_after_a_crash_gives_identical_bytes(tmp_path):
             raise KeyboardInterrupt("killed after shard 1")
 
     out = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
-        write_store(out, LENGTHS, meta(), on_shard=crash)
+    with pytest.raises(KeyboardInterrupt):  # one writer: with two, the other may finish every shard first
+        write_store(out, LENGTHS, meta(), on_shard=crash, num_writers=1)
     part = partial_dir(out)
     assert not out.exists() and (part / "shard-00001.safetensors").is_file()
     (part / ".tmp-shard-00002.safetensors").write_bytes(b"half a shard")  # a write the kill cut short
