@@ -25,12 +25,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eyas.assets import resolve_model  # noqa: E402
 from eyas.data.chat import ChatEncoder  # noqa: E402
-from eyas.data.readers import read_conversations  # noqa: E402
+from eyas.data.readers import BadRow, SkipLog, read_conversations  # noqa: E402
 from eyas.eval.target import HFTarget  # noqa: E402
 from eyas.model.attention import TTTAttention  # noqa: E402
 from eyas.recipes.evaluate import load_draft  # noqa: E402
 from eyas.recipes.regenerate import load_generator  # noqa: E402
 from eyas.train.ttt import shift_left  # noqa: E402
+from eyas.utils.io import EyasError  # noqa: E402
+
+
+def encode_turns(encoder: ChatEncoder, convs: list[list[dict]], turns: int, where: str, log: SkipLog) -> list:
+    """The first `turns` user/assistant pairs of each conversation, encoded as `prepare` does; a
+    conversation that cannot be used goes to `log`, and none usable is an error naming `where`."""
+    encoded = []
+    for i, messages in enumerate(convs):
+        keep, seen = [], 0
+        for m in messages:
+            seen += m["role"] == "user"
+            if seen > turns:
+                break
+            keep.append(m)
+        try:
+            encoded.append(encoder.encode(keep))
+        except BadRow as e:
+            log.add(e.reason, f"{where}: conversation {i + 1}", e.detail)
+    if not encoded:
+        raise EyasError(f"{where}: no conversation with an assistant reply to measure; give chat data with "
+                        "replies (e.g. `eyas regenerate` output)" + ("; skipped: " + "; ".join(log.lines())
+                                                                     if log.total else ""))
+    return encoded
 
 
 def reply_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -92,6 +115,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="untrained draft on 2 made-up conversations")
     args = ap.parse_args()
 
+    log = SkipLog()
     if args.smoke:
         convs = [[{"role": "user", "content": "Name three colors."},
                   {"role": "assistant", "content": "Red, green and blue. " * 12}],
@@ -100,20 +124,15 @@ def main() -> None:
     elif not args.data:
         ap.error("--data is required (or --smoke)")
     else:
-        convs = read_conversations([args.data])[: args.samples]
+        convs = read_conversations([args.data], log)[: args.samples]
     target_path = resolve_model(args.model)
     model, tokenizer = load_generator(target_path, args.dtype)
+    try:
+        encoded = encode_turns(ChatEncoder(tokenizer, max_length=args.max_length), convs, args.turns,
+                               args.data or "--smoke", log)
+    except EyasError as e:
+        sys.exit(f"error: {e}")
     draft = load_draft(args.draft, target_path, model, model.device, model.dtype).eval()
-    encoder = ChatEncoder(tokenizer, max_length=args.max_length)
-    encoded = []
-    for messages in convs:
-        keep, turns = [], 0
-        for m in messages:
-            turns += m["role"] == "user"
-            if turns > args.turns:
-                break
-            keep.append(m)
-        encoded.append(encoder.encode(keep))
     target = HFTarget(model, list(draft.config.aux_layer_ids))
     try:
         correct, count, agree = measure(draft, target, encoded, args.steps, args.band, args.bands)
@@ -121,7 +140,8 @@ def main() -> None:
         target.close()
     acc = correct / count.clamp_min(1)
     print(f"{len(encoded)} conversations, {int(count[-1, 0]):,} reply tokens; draft {args.draft}; "
-          f"the data's token is the target's argmax for {agree[0] / max(agree[1], 1):.1%} of them")
+          f"the data's token is the target's argmax for {agree[0] / max(agree[1], 1):.1%} of them"
+          + (f"; {log.total} conversations skipped" if log.total else ""))
     head = " | ".join(f"step {j}" for j in range(args.steps))
     print(f"| reply tokens | tokens | {head} | step 0 vs all |")
     print("|" + " --- |" * 2 + " ---: |" * (args.steps + 1))

@@ -386,10 +386,10 @@ def _read_partial(path: Path, options_sha: str) -> dict[int, dict]:
     lines = path.read_bytes().split(b"\n")
     try:
         head = json.loads(lines[0])
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:  # not JSON, or not UTF-8
         head = {}
     if head.get("options_sha256") != options_sha:
-        if len(lines) > 2:
+        if any(line.strip() for line in lines[1:]):
             typer.echo(f"{path} holds batches of a run with other inputs or options: starting over", err=True)
         return {}
     for line in lines[1:]:
@@ -398,7 +398,7 @@ def _read_partial(path: Path, options_sha: str) -> dict[int, dict]:
         try:
             rec = json.loads(line)
             batches[int(rec["batch"])] = rec
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             break  # a line cut by the kill: this batch and anything after it is redone
     return batches
 
