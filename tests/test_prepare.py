@@ -190,3 +190,57 @@ def test_output_to_a_log_file_gets_plain_progress_lines(tmp_path, chat_file, mon
     with pytest.raises(SystemExit) as e:
         main()
     assert e.value.code == 2 and "EYAS_PROGRESS_EVERY='soon'" in capsys.readouterr().err
+
+
+def test_trim_loops_cuts_each_turn_keep_tokens_after_it_repeats_itself():
+    """Hand-built ids: a turn that loops with period 10, and a later turn that opens by repeating it."""
+    from eyas.data.chat import trim_loops
+
+    prompt, unique, unit, eot = [1, 2, 3, 4, 5], list(range(100, 120)), list(range(200, 210)), [2]
+    turn1 = unique + unit * 5 + eot  # the 16 tokens from the first 200 recur 10 tokens later
+    turn2 = unique[:16] + list(range(300, 330)) + eot  # opens with 16 tokens turn 1 wrote
+    ids = np.array(prompt + turn1 + [7, 8] + turn2, dtype=np.int32)
+    mask = np.array([0] * 5 + [1] * len(turn1) + [0, 0] + [1] * len(turn2), dtype=np.uint8)
+
+    got_ids, got_mask = trim_loops(ids, mask, keep=3)
+    onset1 = len(unique) + 25  # within turn 1: the gram unit[0..9] + unit[0..5] first recurs there
+    want1 = turn1[: onset1 + 1 + 3] + eot
+    onset2 = 15  # within turn 2: its first 16 tokens complete a gram from turn 1
+    want2 = turn2[: onset2 + 1 + 3] + eot
+    assert got_ids.tolist() == prompt + want1 + [7, 8] + want2
+    assert got_mask.tolist() == [0] * 5 + [1] * len(want1) + [0, 0] + [1] * len(want2)
+    assert got_ids.dtype == np.int32 and got_mask.dtype == np.uint8
+
+    big_keep = trim_loops(ids, mask, keep=100)  # the loop ends before `keep` runs out: nothing to cut
+    assert big_keep[0].tolist() == ids.tolist() and big_keep[1].tolist() == mask.tolist()
+    user_repeat = np.array(unit * 4 + unique, dtype=np.int32)  # repeats outside the assistant's turns count not
+    plain = trim_loops(user_repeat, np.array([0] * 40 + [1] * 20, dtype=np.uint8), keep=0)
+    assert plain[0].tolist() == user_repeat.tolist()
+
+
+def test_prepare_trim_loops_with_the_real_tokenizer(tmp_path, tok):
+    loop = "Intro: the answer follows, in my own words. " + "The cat sat on the mat and looked at the door. " * 30
+    rows = [
+        {"messages": [{"role": "user", "content": "Tell me about the cat."}, {"role": "assistant", "content": loop}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}]},
+    ]
+    src = tmp_path / "loops.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole = prepare(PrepareConfig(inputs=[str(src)], out=tmp_path / "whole", max_length=2048, num_workers=1))
+    cfg = PrepareConfig(inputs=[str(src)], out=tmp_path / "cut", max_length=2048, num_workers=1, trim_loops=8)
+    cut = prepare(cfg)
+    mw, mc = (json.loads((p / "manifest.json").read_text()) for p in (whole, cut))
+    assert mc["trim_loops"] == 8 and mc["trimmed_tokens"] == mw["num_tokens"] - mc["num_tokens"] > 300
+    assert mw["trim_loops"] is None and mw["trimmed_tokens"] == 0
+    assert mc["options_sha256"] != mw["options_sha256"]
+
+    full, short = PreparedDataset(whole), PreparedDataset(cut)
+    assert short[1]["input_ids"].tolist() == full[1]["input_ids"].tolist()  # no loop: untouched
+    text = tok.decode(short[0]["input_ids"][short[0]["loss_mask"]].tolist(), skip_special_tokens=False)
+    assert text.endswith(EOT) and loop.startswith(text.removesuffix(EOT))  # the reply's head + end of turn
+    sentence = "The cat sat on the mat and looked at the door."
+    assert text.count(sentence) in (1, 2)  # one period of the loop, plus the few kept tokens
+    assert int(short[0]["loss_mask"].sum()) < 60
+
+    with pytest.raises(EyasError, match="--trim-loops"):
+        prepare(PrepareConfig(inputs=[str(src)], out=tmp_path / "bad", trim_loops=-1))

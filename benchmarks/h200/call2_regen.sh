@@ -5,6 +5,7 @@
 # complete); put those files in BUNDLE/c and carry it too, and the next machine resumes from them.
 # A second, sampled rewrite afterwards (one at a time: two decoders sharing the GPU are slower), then
 # prepare every rewrite there is, finished or cut:   TEMP=0.8 SEED=1 PREPARE=1 DEADLINE=300 bash ...
+# PREP_ARGS adds options to that prepare, e.g. PREP_ARGS="--trim-loops 32".
 source benchmarks/h200/env.sh
 DEADLINE=${DEADLINE:-540}; SAMPLES=${SAMPLES:-0}; TEMP=${TEMP:-0}; SEED=${SEED:-0}
 NAME=regen; [ "$TEMP" = 0 ] || NAME=regen_t${TEMP}_s${SEED}
@@ -34,7 +35,8 @@ eyas regenerate -i "$W/users.jsonl" --out "$W/$NAME.jsonl" --max-samples "$SAMPL
   > "$W/$NAME.log" 2>&1
 tail -n 3 "$W/$NAME.log"
 if [ -n "${PREPARE:-}" ] || complete; then
-  eyas prepare "$W"/regen*.jsonl --out "$W/prepared" --max-length 2048 --num-workers "${WORKERS:-12}" 2>&1 | tail -n 8
+  eyas prepare "$W"/regen*.jsonl --out "$W/prepared" --max-length 2048 --num-workers "${WORKERS:-12}" \
+    $PREP_ARGS 2>&1 | tail -n 9
 fi
 cp "$W/$NAME.log" "$W/$NAME.jsonl.manifest.json" "$OUT"/ 2>/dev/null
 if complete; then  # unless it was carried in complete: then there is nothing new to bring back

@@ -31,6 +31,7 @@ from eyas.data.readers import BadRow
 
 PREFIX_CHARS = 6  # characters per token budgeted when tokenizing only the head of an overlong text
 PREFIX_MARGIN = 512  # kept tokens must end this many characters before the cut
+LOOP_NGRAM = 16  # a reply "repeats itself" at a run of this many tokens the assistant already wrote
 
 
 @dataclass
@@ -40,6 +41,36 @@ class Encoded:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T], 1 on assistant tokens + end of turn
     truncated: bool = False
+    trimmed: int = 0  # loop-tail tokens removed (ChatEncoder trim_loops)
+
+
+def trim_loops(ids: np.ndarray, mask: np.ndarray, keep: int, n: int = LOOP_NGRAM) -> tuple[np.ndarray, np.ndarray]:
+    """Cut each assistant turn `keep` tokens after it starts repeating itself, keeping its last token.
+
+    A turn repeats itself at the first token that completes an n-token run the assistant already wrote
+    in this conversation (earlier in the turn or in an earlier turn). Greedy decoding of small targets
+    loops (SmolLM2 rewrites: 46% of reply tokens); the tails are trivial to predict, dominate the loss
+    and cost compute, while the start of replies is where drafts fall short. The kept `keep` tokens
+    still teach the draft to follow a loop. The turn's last token (its end-of-turn marker) stays, so the
+    sample remains a well-formed conversation; its training targets come from the target on this text.
+    ids [T], mask [T] (1 on assistant tokens) -> the same, shorter.
+    """
+    m = mask.astype(bool)
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], m, [False])).astype(np.int8)))
+    seen: set[bytes] = set()
+    drop = np.zeros(len(ids), dtype=bool)
+    for a, b in zip(edges[0::2], edges[1::2], strict=True):  # one assistant turn: tokens [a, b)
+        onset = None
+        for i in range(a + n - 1, b):
+            gram = ids[i - n + 1 : i + 1].tobytes()
+            if onset is None and gram in seen:
+                onset = i
+            seen.add(gram)
+        if onset is not None and onset + 1 + keep < b - 1:
+            drop[onset + 1 + keep : b - 1] = True
+    if not drop.any():
+        return ids, mask
+    return ids[~drop], mask[~drop]
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -73,6 +104,7 @@ class ChatEncoder:
         template_kwargs: dict[str, Any] | None = None,
         max_length: int | None = None,
         overlong: str = "truncate",
+        trim_loops: int | None = None,
     ) -> None:
         if overlong not in ("truncate", "drop"):
             raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
@@ -81,6 +113,7 @@ class ChatEncoder:
         self.template_kwargs = dict(template_kwargs or {})
         self.max_length = max_length
         self.overlong = overlong
+        self.trim_loops = trim_loops  # None: keep replies whole; else see trim_loops()
         self.specials = special_token_strings(tokenizer)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizer: batch + offsets
 
@@ -235,6 +268,11 @@ class ChatEncoder:
         n = len(ids)
         mask = self._mask(n, enc, spans)
         input_ids = np.asarray(ids, dtype=np.int32)
+        trimmed = 0
+        if self.trim_loops is not None:
+            input_ids, mask = trim_loops(input_ids, mask, self.trim_loops)
+            trimmed = n - len(input_ids)
+            n = len(input_ids)
         truncated = False
         if self.max_length is not None and n > self.max_length:
             if self.overlong == "drop":
@@ -242,4 +280,4 @@ class ChatEncoder:
             input_ids, mask, truncated = input_ids[: self.max_length], mask[: self.max_length], True
         if not mask.any():
             raise BadRow("no_loss_tokens", f"no assistant token within the first {len(input_ids):,} tokens")
-        return Encoded(input_ids, mask, truncated)
+        return Encoded(input_ids, mask, truncated, trimmed)

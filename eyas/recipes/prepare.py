@@ -50,6 +50,7 @@ class PrepareConfig:
     num_workers: int | None = None  # None: one per CPU core
     chat_template: Path | None = None  # a Jinja file replacing the tokenizer's template
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    trim_loops: int | None = None  # cut replies this many tokens after they start repeating (None: off)
     force: bool = False
     shard_tokens: int = SHARD_TOKENS
 
@@ -117,7 +118,7 @@ class ChunkResult:
 
     input_ids: np.ndarray  # int32 [N_tok]
     loss_mask: np.ndarray  # uint8 [N_tok]
-    outcomes: list[tuple]  # ("ok", length, truncated) | ("skip", reason, where, detail)
+    outcomes: list[tuple]  # ("ok", length, truncated, trimmed) | ("skip", reason, where, detail)
 
 
 def encode_rows(rows: list[Row], encoder: ChatEncoder | None = None) -> ChunkResult:
@@ -136,7 +137,7 @@ def encode_rows(rows: list[Row], encoder: ChatEncoder | None = None) -> ChunkRes
         else:
             ids.append(e.input_ids)
             masks.append(e.loss_mask)
-            outcomes.append(("ok", len(e.input_ids), e.truncated))
+            outcomes.append(("ok", len(e.input_ids), e.truncated, e.trimmed))
     cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))  # noqa: E731
     return ChunkResult(cat(ids, np.int32), cat(masks, np.uint8), outcomes)
 
@@ -211,6 +212,8 @@ def prepare(cfg: PrepareConfig) -> Path:
         raise EyasError(f"--overlong must be 'truncate' or 'drop', not {cfg.overlong!r}")
     if cfg.max_samples is not None and cfg.max_samples < 1:
         raise EyasError(f"--max-samples must be at least 1, not {cfg.max_samples}")
+    if cfg.trim_loops is not None and cfg.trim_loops < 0:
+        raise EyasError(f"--trim-loops must be 0 or more tokens, not {cfg.trim_loops}")
     if cfg.max_length < 2:
         raise EyasError(f"--max-length must be at least 2, not {cfg.max_length}")
     if not cfg.inputs:
@@ -228,7 +231,7 @@ def prepare(cfg: PrepareConfig) -> Path:
         except OSError as e:
             raise EyasError(f"cannot read --chat-template {cfg.chat_template}: {e.strerror or e}") from e
     try:
-        encoder = ChatEncoder(tokenizer, template, cfg.template_kwargs, cfg.max_length, cfg.overlong)
+        encoder = ChatEncoder(tokenizer, template, cfg.template_kwargs, cfg.max_length, cfg.overlong, cfg.trim_loops)
     except ValueError as e:  # no chat template
         raise EyasError(f"'{cfg.model}' has no chat template ({e}). Pass one with --chat-template FILE.") from e
     template_sha = sha256_json(encoder.chat_template)
@@ -237,6 +240,7 @@ def prepare(cfg: PrepareConfig) -> Path:
         "tokenizer": tokenizer_sha256(tokenizer), "chat_template": template_sha,
         "template_kwargs": cfg.template_kwargs, "max_length": cfg.max_length, "overlong": cfg.overlong,
         "max_samples": cfg.max_samples,
+        **({"trim_loops": cfg.trim_loops} if cfg.trim_loops is not None else {}),  # older outputs stay valid
     })  # fmt: skip
     manifest_path = out / "manifest.json"
     if not cfg.force and manifest_path.is_file():
@@ -249,7 +253,7 @@ def prepare(cfg: PrepareConfig) -> Path:
     vocab_size = vocab_size_of(tokenizer, resolved)
     workers = cfg.num_workers if cfg.num_workers is not None else default_workers()
     log = SkipLog()
-    truncated = n_rows = 0
+    truncated = trimmed = n_rows = 0
     t0 = time.perf_counter()
     with atomic_path(out) as tmp:
         writer = PreparedWriter(tmp, vocab_size, cfg.shard_tokens)
@@ -268,6 +272,7 @@ def prepare(cfg: PrepareConfig) -> Path:
                         else:
                             lengths.append(outcome[1])
                             truncated += outcome[2]
+                            trimmed += outcome[3]
                         n_rows += 1
                     n = sum(lengths)  # the chunk's kept samples come first in its arrays
                     writer.add_many(res.input_ids[:n], res.loss_mask[:n], np.array(lengths, dtype=np.int64))
@@ -282,6 +287,7 @@ def prepare(cfg: PrepareConfig) -> Path:
         manifest = writer.finish(
             tokenizer=resolved, chat_template_sha256=template_sha, max_length=cfg.max_length,
             overlong=cfg.overlong, skipped=dict(log.counts), truncated=truncated, options_sha256=options_sha,
+            trim_loops=cfg.trim_loops, trimmed_tokens=trimmed,
             sources=[s.name for s in sources], skipped_examples=log.examples, rows_read=n_rows,
             seconds=round(time.perf_counter() - t0, 2),
         )  # fmt: skip
@@ -295,6 +301,8 @@ def _summary(out: Path, m: dict[str, Any], log: SkipLog, seconds: float) -> None
     t.add_row("tokens", f"{m['num_tokens']:,}  ({m['num_tokens'] / seconds:,.0f} tokens/s)")
     t.add_row("trained tokens", f"{m['num_loss_tokens']:,} ({m['num_loss_tokens'] / max(m['num_tokens'], 1):.0%})")
     t.add_row("truncated", f"{m['truncated']:,} (to {m['max_length']:,} tokens)")
+    if m.get("trim_loops") is not None:
+        t.add_row("loop tails cut", f"{m['trimmed_tokens']:,} tokens (kept {m['trim_loops']} after each loop starts)")
     t.add_row("skipped", f"{log.total:,}")
     t.add_row("time", f"{seconds:.1f} s")
     console.print(t)
@@ -353,6 +361,10 @@ def cli(
                                        show_default="the model's own"),
     template_kwargs: str = typer.Option(None, help='JSON object of chat template variables, e.g. '
                                         '\'{"enable_thinking": false}\'.', show_default="none"),
+    trim_loops: int = typer.Option(None, help="Cut each reply this many tokens after it starts repeating what the "
+                                   "assistant already wrote (16 tokens again). For self-distilled data of small "
+                                   "targets, whose greedy replies loop: trains on the starts of replies, which "
+                                   "are hard, instead of loops, which are easy. Try 32.", show_default="off"),
     force: bool = typer.Option(False, "--force", help="Rebuild even if the output is up to date."),
 ) -> None:
     inputs = list(inputs or [])
@@ -367,7 +379,7 @@ def cli(
     else:
         path = prepare(PrepareConfig(inputs=inputs, model=model, out=out, max_length=max_length, overlong=overlong,
                                      max_samples=max_samples, num_workers=num_workers, chat_template=chat_template,
-                                     template_kwargs=kwargs, force=force))  # fmt: skip
+                                     template_kwargs=kwargs, trim_loops=trim_loops, force=force))  # fmt: skip
     if show:
         manifest = read_json(path / "manifest.json")
         tokenizer, _ = load_tokenizer(manifest["tokenizer"])
