@@ -362,9 +362,9 @@ def cli(
     template_kwargs: str = typer.Option(None, help='JSON object of chat template variables, e.g. '
                                         '\'{"enable_thinking": false}\'.', show_default="none"),
     trim_loops: int = typer.Option(None, help="Cut each reply this many tokens after it starts repeating what the "
-                                   "assistant already wrote (16 tokens again). For self-distilled data of small "
-                                   "targets, whose greedy replies loop: trains on the starts of replies, which "
-                                   "are hard, instead of loops, which are easy. Try 32.", show_default="off"),
+                                   "assistant already wrote (16 tokens again): for data whose loops are an artefact "
+                                   "the served target will not repeat. Not for self-distilled data: on SmolLM2's "
+                                   "it lowered MT-Bench tau (docs/benchmarks.md).", show_default="off"),
     force: bool = typer.Option(False, "--force", help="Rebuild even if the output is up to date."),
 ) -> None:
     inputs = list(inputs or [])
