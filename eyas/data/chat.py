@@ -51,8 +51,9 @@ def trim_loops(ids: np.ndarray, mask: np.ndarray, keep: int, n: int = LOOP_NGRAM
     in this conversation (earlier in the turn or in an earlier turn). Greedy decoding of small targets
     loops (SmolLM2 rewrites: 46% of reply tokens); the tails are trivial to predict, dominate the loss
     and cost compute. The kept `keep` tokens still teach the draft to follow a loop (dropping the rest
-    cost MT-Bench tau where the target loops at serving time too: docs/benchmarks.md, tenth attempt). The turn's last token (its end-of-turn marker) stays, so the
-    sample remains a well-formed conversation; its training targets come from the target on this text.
+    cost MT-Bench tau where the target loops at serving time too: docs/benchmarks.md, tenth attempt).
+    The turn's last token (its end-of-turn marker) stays, so the sample remains a well-formed
+    conversation; its training targets come from the target on this text.
     ids [T], mask [T] (1 on assistant tokens) -> the same, shorter.
     """
     m = mask.astype(bool)
