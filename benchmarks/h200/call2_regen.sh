@@ -38,7 +38,7 @@ if [ -n "${PREPARE:-}" ] || complete; then
   eyas prepare "$W"/regen*.jsonl --out "$W/prepared" --max-length 2048 --num-workers "${WORKERS:-12}" \
     $PREP_ARGS 2>&1 | tail -n 9
 fi
-cp "$W/$NAME.log" "$W/$NAME.jsonl.manifest.json" "$OUT"/ 2>/dev/null
+cp "$W/$NAME.jsonl.manifest.json" "$OUT"/ 2>/dev/null  # the log's last lines are printed above
 if complete; then  # unless it was carried in complete: then there is nothing new to bring back
   [ -f "$BUNDLE/c/$NAME.jsonl.xz.00" ] || xz -T0 -c "$W/$NAME.jsonl" | split -b 15M -d - "$OUT/$NAME.jsonl.xz."
 elif [ -f "$W/$NAME.jsonl.partial" ]; then

@@ -14,5 +14,5 @@ fi
 while [ "$(elapsed)" -lt "$DEADLINE" ] && training; do sleep 10; done
 grep -v Loading "$W/train.log" | tail -n 12
 "$PY" benchmarks/h200/draft_parts.py pack "$W/train" "$OUT"
-cp "$W/train/metrics.jsonl" "$OUT"/ 2>/dev/null; tail -c 60000 "$W/train.log" > "$OUT/train.log"
+if room_for 2; then cp "$W/train/metrics.jsonl" "$OUT"/ 2>/dev/null; tail -c 60000 "$W/train.log" > "$OUT/train.log"; fi
 echo "call 3 done after $(elapsed) s"

@@ -11,3 +11,6 @@ eyas() { "$PY" -m eyas.cli "$@"; }
 # (CALL_T0=$(date +%s); export CALL_T0; bash a.sh; bash b.sh), else the script's own start.
 T0=${CALL_T0:-$(date +%s)}
 elapsed() { echo $(( $(date +%s) - T0 )); }
+# A call brings back at most 8 files from $OUT (alphabetically first when more): the extras (logs) go
+# only where there is room, e.g. when call 3 runs chained after call 2 in one call.
+room_for() { [ $(( $(ls "$OUT" | wc -l) + $1 )) -le 8 ]; }
