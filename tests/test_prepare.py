@@ -213,9 +213,9 @@ def test_trim_loops_cuts_each_turn_keep_tokens_after_it_repeats_itself():
 
     big_keep = trim_loops(ids, mask, keep=100)  # the loop ends before `keep` runs out: nothing to cut
     assert big_keep[0].tolist() == ids.tolist() and big_keep[1].tolist() == mask.tolist()
-    user_repeat = np.array(unit * 4 + unique, dtype=np.int32)  # repeats outside the assistant's turns count not
-    plain = trim_loops(user_repeat, np.array([0] * 40 + [1] * 20, dtype=np.uint8), keep=0)
-    assert plain[0].tolist() == user_repeat.tolist()
+    quoting = np.array(unique + unique[:16] + list(range(300, 320)) + eot, dtype=np.int32)
+    plain = trim_loops(quoting, np.array([0] * 20 + [1] * 37, dtype=np.uint8), keep=0)  # quotes the user
+    assert plain[0].tolist() == quoting.tolist()  # only what the assistant wrote counts as a repeat
 
 
 def test_prepare_trim_loops_with_the_real_tokenizer(tmp_path, tok):
