@@ -285,6 +285,38 @@ def test_init_draft_starts_from_its_weights_and_vocabulary(data, tmp_path):
         train(tmp_path / "bad", store, max_steps=1, init_draft=tmp_path / "other")
 
 
+def test_draft_intermediate_size_widens_the_mlp_through_export(data, tmp_path):
+    """--draft-intermediate-size: the trained draft's MLP has that width, every export format says so and
+    imports back to it, and it learns; --init-draft of the target's width is refused by name."""
+    from eyas.export.formats import ExportOptions, export_draft
+
+    target, _, store = data
+    narrow = Eagle3Draft.from_pretrained(_trained_narrow(tmp_path, store))
+    wide_size = 3 * narrow.config.intermediate_size
+    train(tmp_path / "wide", store, max_steps=40, draft_intermediate_size=wide_size)
+    wide = Eagle3Draft.from_pretrained(tmp_path / "wide" / "draft")
+    assert wide.config.intermediate_size == wide_size
+    assert wide.layers[0].mlp.gate_proj.weight.shape == (wide_size, wide.config.hidden_size)
+    rows = metrics(tmp_path / "wide")
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    for fmt in ("vllm", "speculators", "sglang"):
+        export_draft(wide, tmp_path / fmt, fmt, ExportOptions(verifier=str(target), dtype="float32"))
+        back = import_draft(tmp_path / fmt, target=str(target))
+        assert back.config.intermediate_size == wide_size
+        assert torch.equal(back.layers[0].mlp.down_proj.weight, wide.layers[0].mlp.down_proj.weight)
+    with pytest.raises(EyasError, match=f"intermediate_size {narrow.config.intermediate_size} "
+                                        f"\\(this run: {wide_size}\\)"):
+        train(tmp_path / "bad", store, max_steps=1, draft_intermediate_size=wide_size,
+              init_draft=tmp_path / "narrow" / "draft")
+    with pytest.raises(EyasError, match="--draft-intermediate-size must be >= 0"):
+        train(tmp_path / "neg", store, max_steps=1, draft_intermediate_size=-1)
+
+
+def _trained_narrow(tmp_path, store):
+    train(tmp_path / "narrow", store, max_steps=1)
+    return tmp_path / "narrow" / "draft"
+
+
 def test_the_first_steps_start_up_is_reported_and_kept_out_of_the_rate(data, tmp_path, monkeypatch):
     """The first step of a run also compiles and captures (minutes on a GPU): a line says so, and tok/s
     and the ETA count from the step after it."""

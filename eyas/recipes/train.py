@@ -38,6 +38,7 @@ def run_train(
     online: bool = False,
     model: str | None = None,
     draft_vocab_size: int = 32000,
+    draft_intermediate_size: int = 0,
     aux_layer_ids: list[int] | None = None,
     engine: str = "hf",
     target_dtype: str = "auto",
@@ -51,7 +52,8 @@ def run_train(
     """Train and write OUT/draft. `train_options` are eyas.train.trainer.TrainConfig fields.
     `init_draft`: start from that draft's weights and vocabulary (any layout eyas imports) instead of
     fresh ones; `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
-    `engine_obj` is an already built target engine for online training."""
+    `engine_obj` is an already built target engine for online training; `draft_intermediate_size` widens
+    (or narrows) the draft's MLP, 0 = the target's."""
     from eyas.model.config import DraftConfig, target_config_sha256
     from eyas.model.draft import Eagle3Draft
     from eyas.model.vocab import build_draft_vocab
@@ -81,6 +83,8 @@ def run_train(
     cfg = TrainConfig(**train_options)
     if cfg.max_time < 0:
         raise EyasError(f"--max-time must be >= 0 seconds (0 = no limit), got {cfg.max_time:g}")
+    if draft_intermediate_size < 0:
+        raise EyasError(f"--draft-intermediate-size must be >= 0 (0 = the target's), got {draft_intermediate_size}")
     out = Path(out)
     info = D.init_distributed(cfg.device)
     say = log or (lambda msg: typer.echo(msg, err=True) if info.is_main else None)
@@ -133,6 +137,8 @@ def run_train(
         source, kind, counts_path = SampleSource(prepared, "prepared"), "prepared", Path(prepared)
 
     dcfg = DraftConfig.from_target_config(target_cfg, aux_ids, draft_vocab_size, target=str(target_name))
+    if draft_intermediate_size:
+        dcfg.intermediate_size = draft_intermediate_size
     if dcfg.vocab_size != head.vocab_size:
         dcfg.vocab_size = head.vocab_size  # the lm_head's rows are what the target predicts over
         dcfg.draft_vocab_size = min(dcfg.draft_vocab_size, dcfg.vocab_size)
@@ -275,6 +281,9 @@ def cli(
                               "offline: defaults to the store's target)."),
     draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size", help="Draft vocabulary: the most frequent "
                                          "trained tokens (capped at the target's vocabulary). [default: 32000]"),
+    draft_intermediate_size: int = typer.Option(0, "--draft-intermediate-size", help="Width of the draft layer's MLP; "
+                                                "0 = the target's. Wider fits more of the target (vLLM and SGLang read "
+                                                "it from the exported config). [default: 0]"),
     ttt_steps: int = typer.Option(7, "--ttt-steps", help="Training-time-test steps. [default: 7]"),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the data. [default: 1]"),
     max_steps: int = typer.Option(0, "--max-steps", help="Optimizer steps; overrides --epochs when > 0. [default: 0]"),
@@ -329,7 +338,7 @@ def cli(
     ids = [int(x) for x in aux_layers.split(",") if x.strip()] or None
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
-                  aux_layer_ids=ids, resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                  draft_intermediate_size=draft_intermediate_size, aux_layer_ids=ids, resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, val_samples=val_samples, val_every=val_every, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on",
