@@ -11,6 +11,11 @@ previous output fed back), and splits the draft's agreement with the target's ar
 predicted token's position inside its reply. The last column compares each band with all tokens:
 if the figures fall well below 1 early in a reply, training accuracy overstates what a short
 decoding benchmark will see (and where the draft needs more or better data).
+
+A second table splits step 0 by how sure the target itself was of the predicted token (its top-1
+probability there), in the first band and over all reply tokens: if the draft's misses sit where
+the target nearly tied between tokens, a better draft of the same kind gains little at
+temperature 0, and trees (which verify several candidates) are the lever.
 """
 
 from __future__ import annotations
@@ -66,12 +71,19 @@ def reply_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return pos
 
 
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)  # bins of the target's top-1 probability: < 0.3, ..., >= 0.9
+
+
 @torch.inference_mode()
 def measure(draft, target: HFTarget, encoded: list, steps: int, band: int, bands: int) -> tuple[torch.Tensor, ...]:
-    """-> correct and count [bands + 2, steps] (rows: the bands, the open last band, all tokens), and
-    [2]: reply tokens that are the target's own argmax, reply tokens."""
+    """-> correct and count [bands + 2, steps] (rows: the bands, the open last band, all tokens),
+    [2]: reply tokens that are the target's own argmax, reply tokens, and step 0's correct and count
+    [2, len(CONFIDENCE_EDGES) + 1] (rows: the first band, all tokens; columns: confidence bins)."""
     d2t_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
     correct, count = torch.zeros(bands + 2, steps), torch.zeros(bands + 2, steps)
+    nbins = len(CONFIDENCE_EDGES) + 1
+    by_conf, n_conf = torch.zeros(2, nbins), torch.zeros(2, nbins)
+    edges = torch.tensor(CONFIDENCE_EDGES)
     agree = torch.zeros(2)
     dev = target.device
     for enc in encoded:
@@ -79,6 +91,7 @@ def measure(draft, target: HFTarget, encoded: list, steps: int, band: int, bands
         T = ids.shape[1]
         logits, aux = target.forward(ids, torch.arange(T, device=dev)[None], target.new_cache())
         tgt = logits.argmax(-1).cpu()  # [T]: the target's next token after position t
+        top1 = torch.softmax(logits.float(), -1).amax(-1).cpu()  # [T]: the target's probability of it
         mask = torch.as_tensor(enc.loss_mask, dtype=torch.long)
         where = reply_positions(mask)
         agree += torch.tensor([float((tgt[:-1] == ids[0, 1:].cpu())[mask[1:] == 1].sum()), float(mask[1:].sum())])
@@ -96,8 +109,13 @@ def measure(draft, target: HFTarget, encoded: list, steps: int, band: int, bands
             b = (where[tok] // band).clamp(max=bands)
             correct[:, j] += torch.zeros(bands + 2).index_add_(0, b, hit)
             count[:, j] += torch.bincount(b, minlength=bands + 2).float()
+            if j == 0:
+                conf = torch.bucketize(top1[rows + 1], edges, right=True)  # [n] bin of each prediction
+                for r, keep in enumerate((b == 0, torch.ones_like(b, dtype=torch.bool))):
+                    by_conf[r] += torch.zeros(nbins).index_add_(0, conf[keep], hit[keep])
+                    n_conf[r] += torch.bincount(conf[keep], minlength=nbins).float()
     correct[-1], count[-1] = correct[:-1].sum(0), count[:-1].sum(0)
-    return correct, count, agree
+    return correct, count, agree, by_conf, n_conf
 
 
 def main() -> None:
@@ -135,7 +153,7 @@ def main() -> None:
     draft = load_draft(args.draft, target_path, model, model.device, model.dtype).eval()
     target = HFTarget(model, list(draft.config.aux_layer_ids))
     try:
-        correct, count, agree = measure(draft, target, encoded, args.steps, args.band, args.bands)
+        correct, count, agree, by_conf, n_conf = measure(draft, target, encoded, args.steps, args.band, args.bands)
     finally:
         target.close()
     acc = correct / count.clamp_min(1)
@@ -149,6 +167,19 @@ def main() -> None:
     for b, name in enumerate([*names, f">= {args.bands * args.band}", "all"]):
         cells = " | ".join(f"{a:.2f}" for a in acc[b].tolist())
         print(f"| {name} | {int(count[b, 0]):,} | {cells} | {acc[b, 0] / acc[-1, 0].clamp_min(1e-9):.2f}x |")
+    print()
+    print("Step 0 by the target's top-1 probability at the predicted token: share of tokens, agreement, share "
+          "of all misses")
+    lo = ("0", *(f"{e:g}" for e in CONFIDENCE_EDGES))
+    hi = (*(f"{e:g}" for e in CONFIDENCE_EDGES), "1")
+    print("| tokens | " + " | ".join(f"p {a}-{b}" for a, b in zip(lo, hi, strict=True)) + " |")
+    print("|" + " --- |" * (len(lo) + 1))
+    for r, name in enumerate((f"reply tokens 0-{args.band - 1}", "all reply tokens")):
+        n, hit = n_conf[r], by_conf[r]
+        miss = n - hit
+        cells = (f"{n[i] / n.sum().clamp_min(1):.2f} / {hit[i] / n[i].clamp_min(1):.2f} / "
+                 f"{miss[i] / miss.sum().clamp_min(1):.2f}" for i in range(len(lo)))
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

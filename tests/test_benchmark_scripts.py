@@ -44,3 +44,37 @@ def test_acceptance_by_position_keeps_the_first_turns_and_names_unusable_data(tm
     convs = read_conversations([str(questions)], log)
     with pytest.raises(EyasError, match=r"questions\.jsonl: no conversation with an assistant reply.*no_assistant"):
         abp.encode_turns(encoder, convs, 1, str(questions), log)
+
+
+def test_acceptance_by_position_splits_step_0_by_the_targets_confidence(smollm2_dir):
+    """The confidence table partitions exactly the tokens and hits of step 0 (first band and all), and
+    its bins follow the target's own top-1 probability at each predicted token."""
+    from eyas.eval.target import HFTarget
+    from eyas.recipes.evaluate import load_draft
+    from eyas.recipes.regenerate import load_generator
+
+    abp = load_script("acceptance_by_position")
+    model, tokenizer = load_generator(str(smollm2_dir), "float32")
+    # a short, unlikely reply: the target is unsure at some of its tokens and sure at others
+    conv = [{"role": "user", "content": "Name three colors."},
+            {"role": "assistant", "content": "Mauve, red, and the colour of a quiet evening sky."}]
+    encoded = abp.encode_turns(ChatEncoder(tokenizer), [conv], 1, "chat", SkipLog())
+    draft = load_draft("random", str(smollm2_dir), model, model.device, model.dtype).eval()
+    target = HFTarget(model, list(draft.config.aux_layer_ids))
+    try:
+        correct, count, _, by_conf, n_conf = abp.measure(draft, target, encoded, 2, 16, 2)
+        ids = torch.as_tensor(encoded[0].input_ids)[None]
+        logits, _ = target.forward(ids, torch.arange(ids.shape[1])[None], target.new_cache())
+    finally:
+        target.close()
+    assert torch.equal(n_conf.sum(1), torch.stack([count[0, 0], count[-1, 0]]))
+    assert torch.equal(by_conf.sum(1), torch.stack([correct[0, 0], correct[-1, 0]]))
+    # independently: step 0 predicts each trained token from two positions back, i.e. the target's
+    # distribution one position back; bin those top-1 probabilities by hand
+    mask = torch.as_tensor(encoded[0].loss_mask).bool()
+    top1 = torch.softmax(logits.float(), -1).amax(-1)
+    tok = torch.arange(2, ids.shape[1])[mask[2:]]
+    expect = torch.zeros(len(abp.CONFIDENCE_EDGES) + 1)
+    for p in top1[tok - 1].tolist():
+        expect[sum(p >= e for e in abp.CONFIDENCE_EDGES)] += 1
+    assert torch.equal(n_conf[1], expect) and expect.count_nonzero() >= 3, expect
