@@ -109,12 +109,15 @@ def target_weights(target_dir) -> dict[str, torch.Tensor]:
     return load_file(str(target_dir / "model.safetensors"))
 
 
-def draft_for(target_dir, aux_layer_ids: list[int], must_cover: list[int], draft_vocab_size: int = 8192):
-    """A draft shaped for the target, its vocabulary holding `must_cover` (so d2t is exercised, not trivial)."""
+def draft_for(target_dir, aux_layer_ids: list[int], must_cover: list[int], draft_vocab_size: int = 8192,
+              intermediate_size: int = 0):
+    """A draft shaped for the target (its MLP `intermediate_size` wide when given), its vocabulary holding
+    `must_cover` (so d2t is exercised, not trivial)."""
     from transformers import AutoConfig
 
     cfg = DraftConfig.from_target_config(AutoConfig.from_pretrained(target_dir), aux_layer_ids, draft_vocab_size,
                                          target=str(target_dir))
+    cfg.intermediate_size = intermediate_size or cfg.intermediate_size
     torch.manual_seed(1)
     draft = Eagle3Draft(cfg)
     counts = torch.zeros(cfg.vocab_size, dtype=torch.int64)
@@ -141,9 +144,12 @@ def repeat_draft(target_dir, reference) -> Eagle3Draft:
     return draft
 
 
-def last_layer_draft(target_dir, reference) -> Eagle3Draft:
+def last_layer_draft(target_dir, reference, intermediate_size: int = 0) -> Eagle3Draft:
+    """A wider MLP (`intermediate_size`) holds the target's units first and small random ones after
+    them, so the draft is still close to the target's last layer but every unit counts."""
     H, N = 128, LAYERS
-    draft = draft_for(target_dir, [1, 2, N - 1], [t for o in reference for t in o])
+    draft = draft_for(target_dir, [1, 2, N - 1], [t for o in reference for t in o],
+                      intermediate_size=intermediate_size)
     w = target_weights(target_dir)
     last = f"model.layers.{N - 1}."
     chosen = torch.arange(draft.config.draft_vocab_size) + draft.d2t
@@ -161,7 +167,9 @@ def last_layer_draft(target_dir, reference) -> Eagle3Draft:
         layer.self_attn.o_proj.weight.copy_(w[last + "self_attn.o_proj.weight"])
         layer.post_attention_layernorm.weight.copy_(w[last + "post_attention_layernorm.weight"])
         for p in ("gate_proj", "up_proj", "down_proj"):
-            getattr(layer.mlp, p).weight.copy_(w[f"{last}mlp.{p}.weight"])
+            mine, theirs = getattr(layer.mlp, p).weight, w[f"{last}mlp.{p}.weight"]
+            mine.copy_(0.02 * torch.randn_like(mine))
+            mine[: theirs.shape[0], : theirs.shape[1]] = theirs
         draft.norm.weight.copy_(w["model.norm.weight"])
         draft.lm_head.weight.copy_(w["lm_head.weight"][chosen])
     return draft
@@ -209,13 +217,16 @@ def test_vllm_serve_detects_speculators_export(tmp_path, target_dir, prompts, re
     assert m["num_accepted_tokens_per_pos"] == [sum(p[j] for _, p in expected) for j in range(K)]
 
 
-def test_vllm_acceptance_matches_eyas_eval(tmp_path, target_dir, prompts, reference):
-    """vLLM's acceptance counters for a non-trivial draft equal eyas' own chain speculative decoding."""
+@pytest.mark.parametrize("intermediate_size", [0, 384], ids=["target-width", "wider-mlp"])
+def test_vllm_acceptance_matches_eyas_eval(tmp_path, target_dir, prompts, reference, intermediate_size):
+    """vLLM's acceptance counters for a non-trivial draft equal eyas' own chain speculative decoding,
+    also for a draft whose MLP is wider than the target's (`eyas train --draft-intermediate-size`)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from eyas.eval.runner import greedy_acceptance
 
-    draft = last_layer_draft(target_dir, reference)
+    draft = last_layer_draft(target_dir, reference, intermediate_size)
+    assert draft.layers[0].mlp.up_proj.weight.shape[0] == (intermediate_size or 256)
     draft_dir = export_draft(draft, tmp_path / "vllm", "vllm", ExportOptions(verifier=str(target_dir), dtype="float32"))
     out, m = run_vllm(prompts, MAX_TOKENS, model=str(target_dir),
                       speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": K})
