@@ -56,9 +56,10 @@ def tiny_target(vocab: int = 64, seed: int = 0, layers: int = 4, init: float = 0
     return LlamaForCausalLM(cfg).eval()
 
 
-def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0) -> Eagle3Draft:
+def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0, layers: int = 1) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig.from_target_config(target.config, aux_ids, draft_vocab_size=draft_vocab)
+    cfg.num_hidden_layers = layers
     draft = Eagle3Draft(cfg)
     draft.load_target_embedding(target.get_input_embeddings().weight.detach())
     counts = torch.zeros(cfg.vocab_size, dtype=torch.long)  # no data: the first ids
@@ -106,7 +107,8 @@ def train_draft(draft: Eagle3Draft, data, steps: int, ttt: int = 3, lr: float = 
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A tiny target, 12 prompts with its greedy continuations, and a draft trained on them (vocab 48 of 64)."""
+    """A tiny target, 12 prompts with its greedy continuations, and drafts trained on them (vocab 48 of
+    64): one decoder layer (EAGLE-3's) and two."""
     target = tiny_target()
     aux = [1, 2, 3]
     g = torch.Generator().manual_seed(1)
@@ -116,8 +118,11 @@ def tiny():
     wrapped.close()
     trained = make_draft(target, aux, 48, seqs)
     train_draft(trained, capture(target, seqs, aux), steps=120)
+    two_layers = make_draft(target, aux, 48, seqs, layers=2)
+    train_draft(two_layers, capture(target, seqs, aux), steps=120)
     untrained = make_draft(target, aux, 48, seqs, seed=1)
-    return {"target": target, "aux": aux, "prompts": prompts, "trained": trained, "untrained": untrained}
+    return {"target": target, "aux": aux, "prompts": prompts, "trained": trained, "two_layers": two_layers,
+            "untrained": untrained}
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -129,9 +134,10 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 # -- exactness ------------------------------------------------------------------------------------
 
 
-def test_tiny_trained_draft_accepts_often_and_output_is_the_targets(tiny):
+@pytest.mark.parametrize("which", ["trained", "two_layers"])
+def test_tiny_trained_draft_accepts_often_and_output_is_the_targets(tiny, which):
     prompts = tiny["prompts"][:4]
-    res = evaluate_draft(tiny["target"], None, tiny["trained"], prompts, chain=[2, 4], tree=["12:4:3"],
+    res = evaluate_draft(tiny["target"], None, tiny[which], prompts, chain=[2, 4], tree=["12:4:3"],
                          max_new_tokens=32, progress=False)
     table = res.table()["all"]
     assert table["chain-4"]["identical_to_target"] == 1.0 and table["tree-12:4:3"]["identical_to_target"] == 1.0
@@ -142,7 +148,7 @@ def test_tiny_trained_draft_accepts_often_and_output_is_the_targets(tiny):
     assert table["chain-4"]["tokens_per_target_forward"] > 2.0
     # independent reference: transformers' own greedy generate
     wrapped = HFTarget(tiny["target"], tiny["aux"])
-    dec = SpeculativeDecoder(wrapped, tiny["trained"])
+    dec = SpeculativeDecoder(wrapped, tiny[which])
     for p in prompts[:2]:
         ref = hf_greedy(tiny["target"], p, 32)
         assert dec.generate(p, ChainSpec(4), 32).tokens == ref
@@ -216,14 +222,15 @@ def ttt_logits(draft, seq: list[int], aux: torch.Tensor, steps: int) -> torch.Te
     return torch.stack(out)
 
 
-def test_decoding_proposes_what_training_time_test_predicts(tiny):
+@pytest.mark.parametrize("which", ["trained", "two_layers"])
+def test_decoding_proposes_what_training_time_test_predicts(tiny, which):
     """What the draft learns is what it proposes: in every round of greedy speculative decoding, the
     draft's logits at the root (the row that reads the newest token with the target's state before it)
     are the training unroll's step-0 logits at that row, and the chain's step j those of step j, as long
     as the tokens before it are the true ones (which training feeds). Training accuracy and acceptance
     measure the same predictions; the reference states come from transformers' output_hidden_states,
-    not eval's hooks."""
-    target, aux_ids, draft = tiny["target"], tiny["aux"], tiny["trained"]
+    not eval's hooks. With two decoder layers, each keeps its own keys in training and in the cache."""
+    target, aux_ids, draft = tiny["target"], tiny["aux"], tiny[which]
     wrapped = HFTarget(target, aux_ids)
     dec = SpeculativeDecoder(wrapped, draft)
     rounds: list[tuple[int, list[torch.Tensor], list[int]]] = []  # (L, logits of steps 0.., proposed tokens)

@@ -17,11 +17,11 @@ from eyas.train.ttt import TTTConfig, TTTModel, summarize
 V, V_D, H, K = 50, 30, 32, 3
 
 
-def make_setup(seed: int = 0):
+def make_setup(seed: int = 0, layers: int = 1):
     torch.manual_seed(seed)
     cfg = DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=8, vocab_size=V, draft_vocab_size=V_D, target_hidden_size=H,
-                      aux_layer_ids=[1, 2, 3], rope_theta=10000.0)
+                      aux_layer_ids=[1, 2, 3], rope_theta=10000.0, num_hidden_layers=layers)
     draft = Eagle3Draft(cfg)
     for p in draft.parameters():  # larger weights than the 0.02 init: the test must see real signal
         if p.requires_grad:
@@ -81,7 +81,8 @@ def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8):
         h0 = draft(inp0[None], draft.fuse(aux[start:start + L][None]), torch.arange(L)[None], cache)
         for t in range(L):
             c = KVCache()
-            c.k, c.v = cache.k[:, :, :t + 1], cache.v[:, :, :t + 1]
+            for i in range(draft.config.num_hidden_layers):  # every layer's cache cut to rows 0..t
+                c.layer(i).k, c.layer(i).v = cache.layer(i).k[:, :, :t + 1], cache.layer(i).v[:, :, :t + 1]
             hidden = h0[:, t:t + 1]
             for j in range(steps):
                 if j > 0:
@@ -109,9 +110,9 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_fast_ttt_matches_inference_replay(steps):
-    draft, head = make_setup()
+@pytest.mark.parametrize(("steps", "layers"), [(1, 1), (3, 1), (3, 2)])
+def test_fast_ttt_matches_inference_replay(steps, layers):
+    draft, head = make_setup(layers=layers)
     lengths = [9, 7]
     pack = make_pack(lengths, pad=4)
     loss, stats = fast_loss(draft, head, pack, steps)
@@ -146,10 +147,11 @@ def test_fused_loss_matches_plain_autograd_and_rows_are_independent():
     assert rel(out[True][0], alone) < 1e-6
 
 
-def test_flex_matches_math_on_packed_documents():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_flex_matches_math_on_packed_documents(layers):
     """flex (block mask over documents + log-sum-exp merge of later steps) == math, forward only:
     flex has no backward on CPU (the GPU benchmark checks gradients)."""
-    draft, head = make_setup(2)
+    draft, head = make_setup(2, layers=layers)
     pack = make_pack([20, 5, 11], pad=4, seed=4)
     with torch.no_grad():
         lm, sm = fast_loss(draft, head, pack, 3, attention="math")

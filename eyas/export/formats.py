@@ -100,6 +100,9 @@ def _check_exportable(cfg: DraftConfig, fmt: str) -> None:
     if fmt == "sglang" and min(cfg.aux_layer_ids) < 1:
         raise EyasError(f"SGLang cannot capture the embeddings (layer id 0) as an aux layer: its ids are k - 1; "
                         f"this draft uses {cfg.aux_layer_ids}.")
+    if fmt == "sglang" and cfg.num_hidden_layers != 1:
+        raise EyasError(f"SGLang's EAGLE-3 draft has one decoder layer (`midlayer`); this draft has "
+                        f"{cfg.num_hidden_layers}. Export --format vllm or speculators, which build the later layers.")
     if fmt == "speculators" and cfg.target_hidden_size != cfg.hidden_size:
         raise EyasError(f"speculators sizes fc as {k} x the draft's hidden size ({cfg.hidden_size}), but this draft "
                         f"reads target states of size {cfg.target_hidden_size}: export --format vllm instead.")
@@ -134,7 +137,7 @@ def _llama_fields(cfg: DraftConfig, dtype: str) -> dict[str, Any]:
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
@@ -411,8 +414,9 @@ def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_conf
     if layout == "speculators" and "norm_before_residual" not in c:
         unsupported["norm_before_residual"] = True  # what vLLM assumes when speculators leaves it out
     bad = [k for k, v in unsupported.items() if v]
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        bad.append(f"num_hidden_layers={layer['num_hidden_layers']}")
+    num_layers = int(layer.get("num_hidden_layers", 1))
+    if num_layers != 1 and layout not in ("vllm", "speculators"):  # SGLang and EAGLE: one `midlayer`
+        bad.append(f"num_hidden_layers={num_layers}")
     if layer.get("hidden_act", "silu") != "silu":
         bad.append(f"hidden_act={layer['hidden_act']}")
     if bad:
@@ -437,6 +441,7 @@ def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_conf
         target_hidden_size=int(c.get("target_hidden_size") or layer.get("target_hidden_size") or hidden),
         aux_layer_ids=_foreign_aux_ids(c, layout, where, target_layers),
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        num_hidden_layers=num_layers,
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
@@ -475,8 +480,8 @@ def _normalize_names(tensors: dict[str, torch.Tensor], where: str) -> dict[str, 
             continue
         if name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer."):]
-        if name.startswith(("layers.1.", "midlayers.1.", "additional_layers.")):
-            raise EyasError(f"{where}: drafts with more than one decoder layer are not supported ({name})")
+        if name.startswith(("midlayers.", "additional_layers.")):
+            raise EyasError(f"{where}: SGLang-style drafts with more than one decoder layer are not supported ({name})")
         if name in state:
             raise EyasError(f"{where}: tensor {name} appears twice under different spellings")
         state[name] = t

@@ -40,6 +40,7 @@ class TTTAttention:
     ever copied or concatenated across steps, and every step calls the same compiled kernel with the
     same shapes; "auto" picks flex on CUDA. `steps` is accepted for compatibility and not needed.
     `block_mask` (flex only): the mask of `document_ids` when the caller built it already.
+    A draft of several decoder layers calls `layer(i)` for each: same pattern and masks, its own keys.
     """
 
     def __init__(self, backend: str = "auto", steps: int | None = None,
@@ -50,6 +51,17 @@ class TTTAttention:
         self.values: list[torch.Tensor] = []
         self._block_mask = block_mask  # flex: prebuilt for these document_ids (CUDA-graphed training)
         self._dense_mask: torch.Tensor | None = None
+        self._parent: TTTAttention | None = None  # layer 0's instance, which owns the masks
+        self._later: list[TTTAttention] = []  # layers 1.. (layer 0 is this instance)
+
+    def layer(self, i: int) -> TTTAttention:
+        if i == 0 or self._parent is not None:
+            return self
+        while len(self._later) < i:
+            child = TTTAttention(self.backend, document_ids=self.document_ids)
+            child._parent = self
+            self._later.append(child)
+        return self._later[i - 1]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _heads_last_layout(self._attend(q, k, v))
@@ -69,6 +81,8 @@ class TTTAttention:
 
     def dense_mask(self, T: int, device: torch.device) -> torch.Tensor:
         """[B or 1, 1, T, T] bool: causal, and within the same document when documents are given."""
+        if self._parent is not None:
+            return self._parent.dense_mask(T, device)
         if self._dense_mask is None:
             mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
             if self.document_ids is not None:
@@ -77,12 +91,17 @@ class TTTAttention:
             self._dense_mask = mask
         return self._dense_mask
 
-    def _flex(self, q: torch.Tensor) -> torch.Tensor:
-        T = q.shape[2]
+    def block_mask(self, T: int, device: torch.device) -> Any:
+        """flex attention's mask: causal, and within the same document when documents are given."""
+        if self._parent is not None:
+            return self._parent.block_mask(T, device)
         if self._block_mask is None:
-            self._block_mask = (_causal_block_mask(T, str(q.device)) if self.document_ids is None
-                                else document_block_mask(self.document_ids.to(q.device)))
-        out, lse = _flex_lse(q, self.keys[0], self.values[0], self._block_mask)
+            self._block_mask = (_causal_block_mask(T, str(device)) if self.document_ids is None
+                                else document_block_mask(self.document_ids.to(device)))
+        return self._block_mask
+
+    def _flex(self, q: torch.Tensor) -> torch.Tensor:
+        out, lse = _flex_lse(q, self.keys[0], self.values[0], self.block_mask(q.shape[2], q.device))
         if len(self.keys) == 1:
             return out
         return _merge_same_row(q, out, lse, self.keys[1:], self.values[1:])
@@ -202,13 +221,26 @@ class KVCache:
     """Growing per-sequence key/value cache for decoding with the draft.
 
     `attend` appends the new keys and attends over everything cached, with `mask` [B or 1, 1, T_new,
-    S_total] (True = may attend) when given (tree drafting), else causal in the new rows.
+    S_total] (True = may attend) when given (tree drafting), else causal in the new rows. A draft of
+    several decoder layers keeps one cache per layer (`layer(i)`); `mask`, `crop` and `keep` given to
+    this one apply to all of them.
     """
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self._parent: KVCache | None = None  # layer 0's cache, which holds the mask
+        self._later: list[KVCache] = []  # layers 1..
+
+    def layer(self, i: int) -> KVCache:
+        if i == 0 or self._parent is not None:
+            return self
+        while len(self._later) < i:
+            child = KVCache()
+            child._parent = self
+            self._later.append(child)
+        return self._later[i - 1]
 
     @property
     def length(self) -> int:
@@ -218,18 +250,22 @@ class KVCache:
         """Drop cached positions from `length` on (rejected draft tokens)."""
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        for child in self._later:
+            child.crop(length)
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep only cached positions `index` (1-D, ascending): e.g. the accepted path of a tree."""
         if self.k is not None:
             self.k, self.v = self.k.index_select(2, index), self.v.index_select(2, index)
+        for child in self._later:
+            child.keep(index)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         past = self.length
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         nh, T = q.shape[1], q.shape[2]
-        mask = self.mask
+        mask = self.mask if self._parent is None else self._parent.mask
         if mask is None:
             S = self.k.shape[2]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=past)

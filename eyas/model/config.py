@@ -56,6 +56,7 @@ class DraftConfig:
     target_hidden_size: int
     aux_layer_ids: list[int]
     rms_norm_eps: float = 1e-6
+    num_hidden_layers: int = 1  # decoder layers: the first reads [embedding ; hidden], later ones hidden
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096

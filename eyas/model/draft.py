@@ -3,7 +3,9 @@
 One decoder layer sees, at every position, the target's token embedding and a hidden state side by
 side. At the first step that hidden state is `fc` of the target's aux-layer states (low, mid, high
 features fused); at later steps it is the draft's own previous output. A reduced vocabulary head
-predicts the next token; `d2t` maps its ids back to the target's.
+predicts the next token; `d2t` maps its ids back to the target's. Optionally more decoder layers
+follow the first as plain Llama layers over the hidden state alone (`num_hidden_layers`, the layout
+vLLM and speculators build for such drafts).
 
 Attention is pluggable: the layer computes q, k, v with rotary positions and hands them to an
 `attend(q, k, v)` callable, so the training-time-test pattern (eyas.model.attention.TTTAttention),
@@ -51,10 +53,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, in_dim: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        in_dim = 2 * cfg.hidden_size  # [embedding ; hidden]
         self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
@@ -62,7 +63,7 @@ class DraftAttention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, 2H] -> q [B, nh, T, hd], k and v [B, nkv, T, hd], rotary applied."""
+        """x [B, T, in_dim] -> q [B, nh, T, hd], k and v [B, nkv, T, hd], rotary applied."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -90,19 +91,28 @@ class DraftMLP(nn.Module):
 
 
 class DraftDecoderLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
+    """The first layer attends over [norm(embedding) ; norm(hidden)]; a later one (`first=False`) is a
+    plain Llama layer over the hidden state, which has no use for the embedding."""
+
+    def __init__(self, cfg: DraftConfig, first: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # for the token embedding
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # for the incoming hidden state
-        self.self_attn = DraftAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        H = cfg.hidden_size
+        self.first = first
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)  # first: the token embedding; later: the hidden state
+        if first:
+            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # for the incoming hidden state
+        self.self_attn = DraftAttention(cfg, 2 * H if first else H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
     # The layer in two halves around the attention call, so that a trainer can compile each half
     # (static shapes, no Python state) and keep the attention pattern outside.
     def attention_inputs(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        if self.first:
+            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        else:
+            x = self.input_layernorm(hidden)  # [B, T, H]
         return self.self_attn.project(x, cos, sin)
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -123,7 +133,9 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, H, bias=False)
-        self.layers = nn.ModuleList([DraftDecoderLayer(cfg)])
+        if cfg.num_hidden_layers < 1:
+            raise EyasError(f"a draft needs at least one decoder layer, got num_hidden_layers={cfg.num_hidden_layers}")
+        self.layers = nn.ModuleList([DraftDecoderLayer(cfg, first=i == 0) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
@@ -176,11 +188,13 @@ class Eagle3Draft(nn.Module):
         """One draft step. input_ids [B, T], hidden [B, T, H] -> the draft's hidden output [B, T, H]
         (pre-norm: it is both fed to the next step and turned into logits by `logits`).
         `inputs_embeds` [B, T, H], when given, replaces the embedding lookup (a trainer that keeps
-        the frozen table on the host)."""
+        the frozen table on the host). A stateful `attend` (TTT, KV cache) gives each layer its own
+        keys through `attend.layer(i)`."""
         emb = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(emb, hidden, cos, sin, attend)
+        per_layer = getattr(attend, "layer", None)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(emb, hidden, cos, sin, per_layer(i) if per_layer else attend)
         return hidden
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ def run_train(
     model: str | None = None,
     draft_vocab_size: int = 32000,
     draft_intermediate_size: int = 0,
+    draft_layers: int = 1,
     aux_layer_ids: list[int] | None = None,
     engine: str = "hf",
     target_dtype: str = "auto",
@@ -53,7 +54,7 @@ def run_train(
     `init_draft`: start from that draft's weights and vocabulary (any layout eyas imports) instead of
     fresh ones; `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
     `engine_obj` is an already built target engine for online training; `draft_intermediate_size` widens
-    (or narrows) the draft's MLP, 0 = the target's."""
+    (or narrows) the draft's MLP, 0 = the target's; `draft_layers` is its number of decoder layers."""
     from eyas.model.config import DraftConfig, target_config_sha256
     from eyas.model.draft import Eagle3Draft
     from eyas.model.vocab import build_draft_vocab
@@ -85,6 +86,8 @@ def run_train(
         raise EyasError(f"--max-time must be >= 0 seconds (0 = no limit), got {cfg.max_time:g}")
     if draft_intermediate_size < 0:
         raise EyasError(f"--draft-intermediate-size must be >= 0 (0 = the target's), got {draft_intermediate_size}")
+    if draft_layers < 1:
+        raise EyasError(f"--draft-layers must be >= 1, got {draft_layers}")
     out = Path(out)
     info = D.init_distributed(cfg.device)
     say = log or (lambda msg: typer.echo(msg, err=True) if info.is_main else None)
@@ -139,6 +142,7 @@ def run_train(
     dcfg = DraftConfig.from_target_config(target_cfg, aux_ids, draft_vocab_size, target=str(target_name))
     if draft_intermediate_size:
         dcfg.intermediate_size = draft_intermediate_size
+    dcfg.num_hidden_layers = draft_layers
     if dcfg.vocab_size != head.vocab_size:
         dcfg.vocab_size = head.vocab_size  # the lm_head's rows are what the target predicts over
         dcfg.draft_vocab_size = min(dcfg.draft_vocab_size, dcfg.vocab_size)
@@ -159,7 +163,10 @@ def run_train(
                         f"optimizer step needs ({info.world} rank(s) x {cfg.grad_accum} accumulation). Lower "
                         "--token-budget or --grad-accum, or use more data")
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
-    options = {"source": source_id, "draft": {k: v for k, v in dcfg.to_dict().items() if k != "extra"},
+    # (num_hidden_layers only when > 1: one-layer runs keep the fingerprint they had)
+    draft_opts = {k: v for k, v in dcfg.to_dict().items()
+                  if k != "extra" and not (k == "num_hidden_layers" and v == 1)}
+    options = {"source": source_id, "draft": draft_opts,
                "train": cfg.schedule_options(), "world": info.world, "kind": kind}
     if init is not None:  # (only then: runs without it keep the fingerprint they had)
         options["init"] = fingerprint_path(init_draft)
@@ -261,7 +268,7 @@ def _load_init_draft(path: Path, dcfg: Any, target: str) -> Any:
 
     init = import_draft(path, target=target if Path(str(target)).is_dir() else None)
     have, want = init.config, dcfg
-    fields = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size", "target_hidden_size", "aux_layer_ids")
     diff = [f"{f} {getattr(have, f)} (this run: {getattr(want, f)})" for f in fields
             if getattr(have, f) != getattr(want, f)]
@@ -284,6 +291,9 @@ def cli(
     draft_intermediate_size: int = typer.Option(0, "--draft-intermediate-size", help="Width of the draft layer's MLP; "
                                                 "0 = the target's. Wider fits more of the target (vLLM and SGLang read "
                                                 "it from the exported config). [default: 0]"),
+    draft_layers: int = typer.Option(1, "--draft-layers", help="Decoder layers in the draft: EAGLE-3 has one; "
+                                     "later ones are plain Llama layers over the hidden state (vLLM and "
+                                     "speculators serve them, SGLang does not). [default: 1]"),
     ttt_steps: int = typer.Option(7, "--ttt-steps", help="Training-time-test steps. [default: 7]"),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the data. [default: 1]"),
     max_steps: int = typer.Option(0, "--max-steps", help="Optimizer steps; overrides --epochs when > 0. [default: 0]"),
@@ -338,7 +348,7 @@ def cli(
     ids = [int(x) for x in aux_layers.split(",") if x.strip()] or None
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
-                  draft_intermediate_size=draft_intermediate_size, aux_layer_ids=ids, resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                  draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, aux_layer_ids=ids, resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, val_samples=val_samples, val_every=val_every, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on",
