@@ -523,6 +523,15 @@ def test_eval_refuses_a_draft_for_another_target(tiny):
         evaluate_draft(other, None, tiny["trained"], [[1, 2, 3]], chain=[2], max_new_tokens=4, progress=False)
 
 
+def test_eval_names_a_missing_draft_folder(tiny_folder, tmp_path):
+    """A mistyped --draft is named with what to give instead, not a FileNotFoundError traceback."""
+    from eyas.recipes.evaluate import run_eval
+
+    with pytest.raises(EyasError, match=r"--draft .*nowhere does not exist: give the folder `eyas train` wrote"):
+        run_eval(str(tmp_path / "nowhere"), model=str(tiny_folder / "target"), prompts="mtbench", chain="1",
+                 max_new_tokens=2, max_prompts=1, out=tmp_path / "ev", log=lambda m: None)
+
+
 def test_tree_spec_parsing():
     assert TreeSpec.parse("60:7:10") == TreeSpec(60, 7, 10) and TreeSpec(60, 7, 10).name == "tree-60:7:10"
     for bad in ("60:7", "a:b:c", "0:7:10"):

@@ -46,10 +46,11 @@ def target_dir(tmp_path_factory) -> Path:
     return path
 
 
-def make_draft(target_dir: Path, aux_layer_ids=(2, 4, 5), seed: int = 0) -> Eagle3Draft:
+def make_draft(target_dir: Path, aux_layer_ids=(2, 4, 5), seed: int = 0, layers: int = 1) -> Eagle3Draft:
     """A draft for the tiny target, with every tensor random (norms too) and a real reduced vocabulary."""
     cfg = DraftConfig.from_target_config(AutoConfig.from_pretrained(target_dir), list(aux_layer_ids), VD,
                                          target=str(target_dir))
+    cfg.num_hidden_layers = layers
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
@@ -110,6 +111,27 @@ def test_import_follows_the_engine_fields_not_eyas_notes(tmp_path, target_dir, f
     assert cfg.aux_layer_ids == [2, 4, 5]
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings) == (500000.0, None, 2048)
     assert (cfg.rms_norm_eps, cfg.head_dim, cfg.num_key_value_heads) == (1e-5, 16, 2)
+
+
+def test_two_layer_draft_round_trips_where_engines_build_it(tmp_path, target_dir):
+    """A second decoder layer is a plain Llama layer (input H, no hidden_norm), as vLLM and speculators
+    build it from num_hidden_layers; SGLang's one `midlayer` cannot hold it, so that export is refused."""
+    draft = make_draft(target_dir, layers=2)
+    for fmt in ("vllm", "speculators"):
+        out = export_draft(draft, tmp_path / fmt, fmt, ExportOptions(verifier=str(target_dir), dtype="float32"))
+        config = read_config(out)
+        assert (config.get("transformer_layer_config") or config)["num_hidden_layers"] == 2
+        tensors = read_tensors(out)
+        assert tensors["layers.1.self_attn.q_proj.weight"].shape == (64, H)
+        assert tensors["layers.0.self_attn.q_proj.weight"].shape == (64, 2 * H)
+        assert "layers.1.hidden_norm.weight" not in tensors and "layers.0.hidden_norm.weight" in tensors
+        back = import_draft(out, target=target_dir)
+        same_tensors(draft, back)
+        assert core_config(back.config) == core_config(draft.config)
+        edit_config(out, lambda c: c.pop("eyas"))  # as another writer leaves it: the engine's fields decide
+        assert import_draft(out, target=target_dir).config.num_hidden_layers == 2
+    with pytest.raises(EyasError, match="SGLang's EAGLE-3 draft has one decoder layer"):
+        export_draft(draft, tmp_path / "sglang", "sglang", ExportOptions(verifier=str(target_dir)))
 
 
 def test_bfloat16_export_keeps_maps_exact(tmp_path, target_dir):
@@ -425,7 +447,7 @@ def test_unknown_tensor_and_extra_layer_are_named(exported, tmp_path):
     with pytest.raises(EyasError, match=r"unexpected fc\.bias"):
         import_draft(exported)
     edit_tensors(exported, lambda t: (t.pop("fc.bias"), t.update({"layers.1.mlp.up_proj.weight": torch.zeros(1)})))
-    with pytest.raises(EyasError, match="more than one decoder layer"):
+    with pytest.raises(EyasError, match=r"unexpected layers\.1\.mlp\.up_proj\.weight"):  # the config says 1 layer
         import_draft(exported)
 
 

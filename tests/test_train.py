@@ -312,6 +312,22 @@ def test_draft_intermediate_size_widens_the_mlp_through_export(data, tmp_path):
         train(tmp_path / "neg", store, max_steps=1, draft_intermediate_size=-1)
 
 
+def test_draft_layers_trains_a_deeper_draft(data, tmp_path):
+    """--draft-layers 2: the draft gets a second (plain) decoder layer, learns, and a one-layer
+    --init-draft is refused by name; fewer than one layer is refused."""
+    _, _, store = data
+    train(tmp_path / "two", store, max_steps=40, draft_layers=2)
+    two = Eagle3Draft.from_pretrained(tmp_path / "two" / "draft")
+    assert two.config.num_hidden_layers == 2 and len(two.layers) == 2 and not two.layers[1].first
+    rows = metrics(tmp_path / "two")
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    one = _trained_narrow(tmp_path, store)
+    with pytest.raises(EyasError, match="num_hidden_layers 1 \\(this run: 2\\)"):
+        train(tmp_path / "bad", store, max_steps=1, draft_layers=2, init_draft=one)
+    with pytest.raises(EyasError, match="--draft-layers must be >= 1"):
+        train(tmp_path / "none", store, max_steps=1, draft_layers=0)
+
+
 def _trained_narrow(tmp_path, store):
     train(tmp_path / "narrow", store, max_steps=1)
     return tmp_path / "narrow" / "draft"

@@ -93,6 +93,9 @@ def run_eval(draft: str, model: str = "smollm2", prompts: str = "mtbench", chain
     chains, trees = parse_chain(chain), parse_trees(tree)
     if not chains and not trees:
         raise EyasError("nothing to measure: give --chain and/or --tree")
+    if draft != "random" and not Path(draft).exists():
+        raise EyasError(f"--draft {draft} does not exist: give the folder `eyas train` wrote (OUT/draft), an "
+                        "exported draft folder, or `random` for an untrained one")
     out = Path(out)
     target_path = resolve_model(model)
     compared = [(_compare_label(p), load_report(p)) for p in (compare or [])]
