@@ -9,6 +9,7 @@ The differences that silently cost acceptance, and how each layout spells them:
 | aux layer ids | `eagle_aux_hidden_state_layer_ids` = k | same, top level | `eagle_config` ids = k - 1 | none: [2, N//2, N-3] |
 | residual before hidden_norm | `norm_before_residual` absent = False | absent = **True** in vLLM's reader | always False | always False |
 | number of aux layers | `num_aux_hidden_states` (else 3) | len(ids) | 3 | 3 |
+| more decoder layers | `layers.1.*` ... (plain Llama layers) | same | not served | none |
 
 Layer id k means the input of target decoder layer k (eyas, vLLM, speculators, transformers'
 `hidden_states[k]`). SGLang adds 1 to the explicit ids it reads from `eagle_config`, so it must be
