@@ -268,8 +268,8 @@ def _load_init_draft(path: Path, dcfg: Any, target: str) -> Any:
 
     init = import_draft(path, target=target if Path(str(target)).is_dir() else None)
     have, want = init.config, dcfg
-    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "vocab_size", "target_hidden_size", "aux_layer_ids")
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "target_hidden_size", "aux_layer_ids")
     diff = [f"{f} {getattr(have, f)} (this run: {getattr(want, f)})" for f in fields
             if getattr(have, f) != getattr(want, f)]
     if diff:
@@ -289,8 +289,8 @@ def cli(
     draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size", help="Draft vocabulary: the most frequent "
                                          "trained tokens (capped at the target's vocabulary). [default: 32000]"),
     draft_intermediate_size: int = typer.Option(0, "--draft-intermediate-size", help="Width of the draft layer's MLP; "
-                                                "0 = the target's. Wider fits more of the target (vLLM and SGLang read "
-                                                "it from the exported config). [default: 0]"),
+                                                "0 = the target's. Wider fits more of the target (the engines read it "
+                                                "from the exported config). [default: 0]"),
     draft_layers: int = typer.Option(1, "--draft-layers", help="Decoder layers in the draft: EAGLE-3 has one; "
                                      "later ones are plain Llama layers over the hidden state (vLLM and "
                                      "speculators serve them, SGLang does not). [default: 1]"),
@@ -348,7 +348,8 @@ def cli(
     ids = [int(x) for x in aux_layers.split(",") if x.strip()] or None
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
-                  draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, aux_layer_ids=ids, resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                  draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, aux_layer_ids=ids,
+                  resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, val_samples=val_samples, val_every=val_every, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on",
