@@ -24,7 +24,27 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return F.scaled_dot_product_attention(q, _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]), is_causal=True)
 
 
-class TTTAttention:
+class _PerLayer:
+    """A stateful `attend` for a draft of several decoder layers: `layer(0)` is this instance, `layer(i)`
+    a child (`_spawn`) with keys of its own that reads the shared settings through `_parent`."""
+
+    _parent: Any
+    _later: list
+
+    def _spawn(self) -> Any:
+        raise NotImplementedError
+
+    def layer(self, i: int) -> Any:
+        if i == 0 or self._parent is not None:
+            return self
+        while len(self._later) < i:
+            child = self._spawn()
+            child._parent = self
+            self._later.append(child)
+        return self._later[i - 1]
+
+
+class TTTAttention(_PerLayer):
     """EAGLE-3's training-time-test pattern, one instance per batch, called once per step.
 
     Step 0 is causal over its own keys. At step j the query of row t sees the step-0 keys of rows
@@ -54,14 +74,8 @@ class TTTAttention:
         self._parent: TTTAttention | None = None  # layer 0's instance, which owns the masks
         self._later: list[TTTAttention] = []  # layers 1.. (layer 0 is this instance)
 
-    def layer(self, i: int) -> TTTAttention:
-        if i == 0 or self._parent is not None:
-            return self
-        while len(self._later) < i:
-            child = TTTAttention(self.backend, document_ids=self.document_ids)
-            child._parent = self
-            self._later.append(child)
-        return self._later[i - 1]
+    def _spawn(self) -> TTTAttention:
+        return TTTAttention(self.backend, document_ids=self.document_ids)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _heads_last_layout(self._attend(q, k, v))
@@ -217,7 +231,7 @@ def document_block_mask(document_ids: torch.Tensor):
                              _compile=doc.is_cuda)
 
 
-class KVCache:
+class KVCache(_PerLayer):
     """Growing per-sequence key/value cache for decoding with the draft.
 
     `attend` appends the new keys and attends over everything cached, with `mask` [B or 1, 1, T_new,
@@ -233,14 +247,8 @@ class KVCache:
         self._parent: KVCache | None = None  # layer 0's cache, which holds the mask
         self._later: list[KVCache] = []  # layers 1..
 
-    def layer(self, i: int) -> KVCache:
-        if i == 0 or self._parent is not None:
-            return self
-        while len(self._later) < i:
-            child = KVCache()
-            child._parent = self
-            self._later.append(child)
-        return self._later[i - 1]
+    def _spawn(self) -> KVCache:
+        return KVCache()
 
     @property
     def length(self) -> int:

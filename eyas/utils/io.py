@@ -106,8 +106,6 @@ def fingerprint_path(path: str | os.PathLike) -> str:
     path = Path(path)
     if path.is_file():
         return sha256_file(path)
-    if not path.is_dir():
-        raise EyasError(f"{path} does not exist")
     if (path / "manifest.json").is_file() and not (path / "model.safetensors").is_file():
         return sha256_file(path / "manifest.json")
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin", ".pt"))
