@@ -339,6 +339,20 @@ def test_import_eagle_checkpoint_uses_its_hardcoded_layers(tmp_path, target_dir)
     assert override.config.aux_layer_ids == [1, 2, 3]
 
 
+def test_sglang_style_drafts_of_more_layers_are_refused_by_name(tmp_path, target_dir):
+    """One `midlayer` is all SGLang and EAGLE checkpoints hold: a config or tensors saying otherwise is
+    refused instead of loaded half."""
+    path = tmp_path / "specforge"
+    eagle_style_checkpoint(make_draft(target_dir), path, eagle_config_ids=[1, 3, 4])
+    edit_config(path, lambda c: c.update(num_hidden_layers=2))
+    with pytest.raises(EyasError, match="not supported by eyas' draft model \\(num_hidden_layers=2\\)"):
+        import_draft(path, target=target_dir)
+    edit_config(path, lambda c: c.update(num_hidden_layers=1))
+    edit_tensors(path, lambda t: t.update({"midlayers.1.mlp.up_proj.weight": torch.zeros(1)}))
+    with pytest.raises(EyasError, match="SGLang-style drafts with more than one decoder layer.*midlayers\\.1\\."):
+        import_draft(path, target=target_dir)
+
+
 def test_import_specforge_checkpoint_adds_one_to_its_ids(tmp_path, target_dir):
     draft = make_draft(target_dir, aux_layer_ids=(2, 4, 6))
     eagle_style_checkpoint(draft, tmp_path / "specforge", eagle_config_ids=[1, 3, 5])
