@@ -2,6 +2,7 @@
 # machine stays warm), wait until it ends or DEADLINE seconds pass, and bring back the newest draft in
 # parts (benchmarks/h200/draft_parts.py), so a lost machine costs only the steps since the last call.
 #   DEADLINE=540 STEPS=5000 bash benchmarks/h200/call3_train.sh
+# PACK=0 brings nothing back: chained right after call 2, whose rewrite needs the call's 8 files.
 source benchmarks/h200/env.sh
 DEADLINE=${DEADLINE:-540}
 training() { pgrep -f "eyas.cli train --prepared $W/prepared" > /dev/null; }
@@ -13,6 +14,6 @@ if ! training && ! grep -qs "draft saved" "$W/train.log"; then
 fi
 while [ "$(elapsed)" -lt "$DEADLINE" ] && training; do sleep 10; done
 grep -v Loading "$W/train.log" | tail -n 12
-"$PY" benchmarks/h200/draft_parts.py pack "$W/train" "$OUT"
+[ "${PACK:-1}" = 0 ] || "$PY" benchmarks/h200/draft_parts.py pack "$W/train" "$OUT"
 if room_for 2; then cp "$W/train/metrics.jsonl" "$OUT"/ 2>/dev/null; tail -c 60000 "$W/train.log" > "$OUT/train.log"; fi
 echo "call 3 done after $(elapsed) s"

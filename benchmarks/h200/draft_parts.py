@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
-import shutil
+import json
 import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 LIMIT = 15 * 2**20
@@ -28,24 +29,31 @@ def newest_draft(train: Path) -> tuple[Path, Path]:
 
 
 def pack(train: Path, out: Path) -> None:
+    """Tensors cut into row slices that fill each part to LIMIT, so a draft of N MiB takes
+    ceil(N / 15) files; the config rides in the first part's metadata (no file of its own)."""
     weights, config = newest_draft(train)
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
              for k, v in load_file(str(weights)).items() if k != "embed_tokens.weight"}
+    scalars = [k for k, v in state.items() if v.dim() == 0]
     parts: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in state.items():
-        rows = max(1, LIMIT // max(1, v[0].numel() * v.element_size())) if v.dim() else 1
-        for i in range(0, v.shape[0] if v.dim() else 1, rows):  # a big tensor goes in slices of rows
-            piece = v[i:i + rows] if v.dim() else v
-            n = piece.numel() * piece.element_size()
-            if size + n > LIMIT and parts[-1]:
+        rows = v if v.dim() else v.reshape(1)  # a 0-d tensor travels as one row and is restored by unpack
+        row_bytes = rows[0].numel() * rows.element_size()
+        i = 0
+        while i < len(rows):
+            fit = (LIMIT - size) // row_bytes
+            if fit == 0 and parts[-1]:  # this part is full: start the next
                 parts.append({})
                 size = 0
+                continue
+            piece = rows[i:i + max(1, fit)]
             parts[-1][f"{k}@{i}"] = piece.clone()
-            size += n
+            size += piece.numel() * piece.element_size()
+            i += len(piece)
     for i, p in enumerate(parts):
-        save_file(p, str(out / f"draft.part{i}.safetensors"))
-    shutil.copy(config, out / "draft_config.json")
+        meta = {"config": config.read_text(), "scalars": json.dumps(scalars)} if i == 0 else None
+        save_file(p, str(out / f"draft.part{i}.safetensors"), metadata=meta)
     print(f"packed {weights} into {len(parts)} parts")
 
 
@@ -60,11 +68,13 @@ def unpack(src: Path, out: Path) -> None:
         for k, v in load_file(str(f)).items():
             name, _, row = k.partition("@")
             pieces.setdefault(name, []).append((int(row), v))
-    state = {k: torch.cat([v for _, v in sorted(vs, key=lambda t: t[0])]) if vs[0][1].dim() else vs[0][1]
-             for k, vs in pieces.items()}
+    with safe_open(str(src / "draft.part0.safetensors"), "pt") as f:
+        config, scalars = f.metadata()["config"], set(json.loads(f.metadata()["scalars"]))
+    state = {k: torch.cat([v for _, v in sorted(vs, key=lambda t: t[0])]) for k, vs in pieces.items()}
+    state = {k: v.reshape(()) if k in scalars else v for k, v in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"))
-    shutil.copy(src / "draft_config.json", out / "config.json")
+    (out / "config.json").write_text(config)
     import_draft(out, target=smollm2_dir()).save_pretrained(out)  # fp32, with the embedding
     print(f"draft at {out}")
 
