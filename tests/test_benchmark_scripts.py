@@ -78,3 +78,49 @@ def test_acceptance_by_position_splits_step_0_by_the_targets_confidence(smollm2_
     for p in top1[tok - 1].tolist():
         expect[sum(p >= e for e in abp.CONFIDENCE_EDGES)] += 1
     assert torch.equal(n_conf[1], expect) and expect.count_nonzero() >= 3, expect
+
+
+def test_draft_parts_fill_each_part_and_round_trip_the_draft(tmp_path, smollm2_dir, monkeypatch):
+    """A device call brings back 8 files: parts are filled to the limit (tensors cut into row slices
+    across parts), the config rides in part 0, and unpacking gives back the same bf16 weights."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from eyas.model.config import DraftConfig
+    from eyas.model.draft import Eagle3Draft
+
+    dp = load_script("h200/draft_parts")
+    cfg = DraftConfig.from_target_config(AutoConfig.from_pretrained(smollm2_dir), [1, 15, 27],
+                                         target=str(smollm2_dir))
+    cfg = dataclasses.replace(cfg, num_hidden_layers=2)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    ids = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values  # a valid, non-trivial d2t
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(cfg.draft_vocab_size), t2d)
+    draft.save_pretrained(tmp_path / "train" / "draft")
+
+    monkeypatch.setattr(dp, "LIMIT", 3 * 2**20)
+    (tmp_path / "out").mkdir()
+    dp.pack(tmp_path / "train", tmp_path / "out")
+    parts = [load_file(str(tmp_path / "out" / f"draft.part{i}.safetensors"))
+             for i in range(len(list((tmp_path / "out").iterdir())))]
+    sizes = [sum(v.numel() * v.element_size() for v in p.values()) for p in parts]
+    widest_row = max(v[0].numel() * v.element_size() for p in parts for v in p.values())
+    assert all(s <= dp.LIMIT for s in sizes)
+    assert all(s > dp.LIMIT - widest_row for s in sizes[:-1]), sizes  # no part closed while a row still fit
+    assert len(parts) > 10 and len(set(k.partition("@")[0] for p in parts for k in p)) < sum(map(len, parts))
+
+    dp.unpack(tmp_path / "out", tmp_path / "back")
+    before = load_file(str(tmp_path / "train" / "draft" / "model.safetensors"))
+    after = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(after) == set(before)
+    for k, v in before.items():
+        if k != "embed_tokens.weight":  # the target's, filled in on arrival
+            w = after[k]
+            same = torch.equal(w.to(torch.bfloat16), v.to(torch.bfloat16)) if v.is_floating_point() else torch.equal(w, v)
+            assert same, k
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_hidden_layers"] == 2

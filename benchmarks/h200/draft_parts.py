@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -34,25 +33,25 @@ def pack(train: Path, out: Path) -> None:
     weights, config = newest_draft(train)
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
              for k, v in load_file(str(weights)).items() if k != "embed_tokens.weight"}
-    scalars = [k for k, v in state.items() if v.dim() == 0]
+    if any(v.dim() == 0 for v in state.values()):
+        raise SystemExit(f"{weights}: a 0-d tensor; parts hold row slices only")
     parts: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in state.items():
-        rows = v if v.dim() else v.reshape(1)  # a 0-d tensor travels as one row and is restored by unpack
-        row_bytes = rows[0].numel() * rows.element_size()
+        row_bytes = v[0].numel() * v.element_size()
         i = 0
-        while i < len(rows):
+        while i < len(v):
             fit = (LIMIT - size) // row_bytes
             if fit == 0 and parts[-1]:  # this part is full: start the next
                 parts.append({})
                 size = 0
                 continue
-            piece = rows[i:i + max(1, fit)]
+            piece = v[i:i + max(1, fit)]
             parts[-1][f"{k}@{i}"] = piece.clone()
             size += piece.numel() * piece.element_size()
             i += len(piece)
     for i, p in enumerate(parts):
-        meta = {"config": config.read_text(), "scalars": json.dumps(scalars)} if i == 0 else None
+        meta = {"config": config.read_text()} if i == 0 else None
         save_file(p, str(out / f"draft.part{i}.safetensors"), metadata=meta)
     print(f"packed {weights} into {len(parts)} parts")
 
@@ -69,9 +68,8 @@ def unpack(src: Path, out: Path) -> None:
             name, _, row = k.partition("@")
             pieces.setdefault(name, []).append((int(row), v))
     with safe_open(str(src / "draft.part0.safetensors"), "pt") as f:
-        config, scalars = f.metadata()["config"], set(json.loads(f.metadata()["scalars"]))
+        config = f.metadata()["config"]
     state = {k: torch.cat([v for _, v in sorted(vs, key=lambda t: t[0])]) for k, vs in pieces.items()}
-    state = {k: v.reshape(()) if k in scalars else v for k, v in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(config)
