@@ -16,6 +16,11 @@ A second table splits step 0 by how sure the target itself was of the predicted 
 probability there), in the first band and over all reply tokens: if the draft's misses sit where
 the target nearly tied between tokens, a better draft of the same kind gains little at
 temperature 0, and trees (which verify several candidates) are the lever.
+
+Several `--draft` options measure the drafts on the same tokens and end with a side-by-side table
+of step 0, each draft against the first, e.g. two trainings that differ in one option:
+
+    python3 benchmarks/acceptance_by_position.py --draft soft/draft --draft hard/draft --data regen.jsonl
 """
 
 from __future__ import annotations
@@ -118,9 +123,66 @@ def measure(draft, target: HFTarget, encoded: list, steps: int, band: int, bands
     return correct, count, agree, by_conf, n_conf
 
 
+def print_tables(name: str, n_conv: int, skipped: int, steps: int, band: int, bands: int, correct, count, agree,
+                 by_conf, n_conf) -> None:
+    acc = correct / count.clamp_min(1)
+    print(f"{n_conv} conversations, {int(count[-1, 0]):,} reply tokens; draft {name}; "
+          f"the data's token is the target's argmax for {agree[0] / max(agree[1], 1):.1%} of them"
+          + (f"; {skipped} conversations skipped" if skipped else ""))
+    head = " | ".join(f"step {j}" for j in range(steps))
+    print(f"| reply tokens | tokens | {head} | step 0 vs all |")
+    print("|" + " --- |" * 2 + " ---: |" * (steps + 1))
+    for b, label in enumerate(band_names(band, bands)):
+        cells = " | ".join(f"{a:.2f}" for a in acc[b].tolist())
+        print(f"| {label} | {int(count[b, 0]):,} | {cells} | {acc[b, 0] / acc[-1, 0].clamp_min(1e-9):.2f}x |")
+    print()
+    print("Step 0 by the target's top-1 probability at the predicted token: share of tokens, agreement, share "
+          "of all misses")
+    print("| tokens | " + " | ".join(confidence_names()) + " |")
+    print("|" + " --- |" * (len(CONFIDENCE_EDGES) + 2))
+    for r, label in enumerate((f"reply tokens 0-{band - 1}", "all reply tokens")):
+        n, hit = n_conf[r], by_conf[r]
+        miss = n - hit
+        cells = (f"{n[i] / n.sum().clamp_min(1):.2f} / {hit[i] / n[i].clamp_min(1):.2f} / "
+                 f"{miss[i] / miss.sum().clamp_min(1):.2f}" for i in range(len(CONFIDENCE_EDGES) + 1))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print()
+
+
+def band_names(band: int, bands: int) -> list[str]:
+    return [*(f"{b * band}-{(b + 1) * band - 1}" for b in range(bands)), f">= {bands * band}", "all"]
+
+
+def confidence_names() -> list[str]:
+    lo = ("0", *(f"{e:g}" for e in CONFIDENCE_EDGES))
+    hi = (*(f"{e:g}" for e in CONFIDENCE_EDGES), "1")
+    return [f"p {a}-{b}" for a, b in zip(lo, hi, strict=True)]
+
+
+def step0_row(correct, count, by_conf, n_conf) -> torch.Tensor:
+    """Step-0 agreement: the reply-position bands (first band, all tokens) then the confidence bins of
+    the first band: the figures the side-by-side table compares."""
+    bands = correct[:, 0] / count[:, 0].clamp_min(1)
+    return torch.cat([bands[[0, -1]], by_conf[0] / n_conf[0].clamp_min(1)])
+
+
+def print_comparison(names: list[str], rows: list[torch.Tensor], band: int) -> None:
+    cols = [f"0-{band - 1}", "all", *(f"0-{band - 1}, {c}" for c in confidence_names())]
+    print("Step 0 agreement side by side (reply tokens; the first band split by the target's top-1 probability), "
+          f"and each draft against the first ({names[0]})")
+    print("| draft | " + " | ".join(cols) + " |")
+    print("| --- |" + " ---: |" * len(cols))
+    for name, row in zip(names, rows, strict=True):
+        print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in row.tolist()) + " |")
+    for name, row in zip(names[1:], rows[1:], strict=True):
+        ratio = row / rows[0].clamp_min(1e-9)
+        print(f"| {name} / first | " + " | ".join(f"{v:.2f}x" for v in ratio.tolist()) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default="random", help="draft folder, or `random` (untrained)")
+    ap.add_argument("--draft", action="append", help="draft folder, or `random` (untrained); repeat to compare "
+                    "drafts on the same tokens [random]")
     ap.add_argument("--model", default="smollm2", help="target folder or alias [smollm2]")
     ap.add_argument("--data", help="chat file with assistant replies (ShareGPT / messages JSONL, as prepare reads)")
     ap.add_argument("--samples", type=int, default=12, help="conversations to use (the first N) [12]")
@@ -132,13 +194,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32 (exact, CPU) or bfloat16")
     ap.add_argument("--smoke", action="store_true", help="untrained draft on 2 made-up conversations")
     args = ap.parse_args()
+    drafts = args.draft or ["random"]
 
     log = SkipLog()
     if args.smoke:
         convs = [[{"role": "user", "content": "Name three colors."},
                   {"role": "assistant", "content": "Red, green and blue. " * 12}],
                  [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"}]]
-        args.draft, args.band, args.bands = "random", 16, 2
+        drafts, args.band, args.bands = ["random"], 16, 2
     elif not args.data:
         ap.error("--data is required (or --smoke)")
     else:
@@ -150,36 +213,20 @@ def main() -> None:
                                args.data or "--smoke", log)
     except EyasError as e:
         sys.exit(f"error: {e}")
-    draft = load_draft(args.draft, target_path, model, model.device, model.dtype).eval()
-    target = HFTarget(model, list(draft.config.aux_layer_ids))
-    try:
-        correct, count, agree, by_conf, n_conf = measure(draft, target, encoded, args.steps, args.band, args.bands)
-    finally:
-        target.close()
-    acc = correct / count.clamp_min(1)
-    print(f"{len(encoded)} conversations, {int(count[-1, 0]):,} reply tokens; draft {args.draft}; "
-          f"the data's token is the target's argmax for {agree[0] / max(agree[1], 1):.1%} of them"
-          + (f"; {log.total} conversations skipped" if log.total else ""))
-    head = " | ".join(f"step {j}" for j in range(args.steps))
-    print(f"| reply tokens | tokens | {head} | step 0 vs all |")
-    print("|" + " --- |" * 2 + " ---: |" * (args.steps + 1))
-    names = [f"{b * args.band}-{(b + 1) * args.band - 1}" for b in range(args.bands)]
-    for b, name in enumerate([*names, f">= {args.bands * args.band}", "all"]):
-        cells = " | ".join(f"{a:.2f}" for a in acc[b].tolist())
-        print(f"| {name} | {int(count[b, 0]):,} | {cells} | {acc[b, 0] / acc[-1, 0].clamp_min(1e-9):.2f}x |")
-    print()
-    print("Step 0 by the target's top-1 probability at the predicted token: share of tokens, agreement, share "
-          "of all misses")
-    lo = ("0", *(f"{e:g}" for e in CONFIDENCE_EDGES))
-    hi = (*(f"{e:g}" for e in CONFIDENCE_EDGES), "1")
-    print("| tokens | " + " | ".join(f"p {a}-{b}" for a, b in zip(lo, hi, strict=True)) + " |")
-    print("|" + " --- |" * (len(lo) + 1))
-    for r, name in enumerate((f"reply tokens 0-{args.band - 1}", "all reply tokens")):
-        n, hit = n_conf[r], by_conf[r]
-        miss = n - hit
-        cells = (f"{n[i] / n.sum().clamp_min(1):.2f} / {hit[i] / n[i].clamp_min(1):.2f} / "
-                 f"{miss[i] / miss.sum().clamp_min(1):.2f}" for i in range(len(lo)))
-        print(f"| {name} | " + " | ".join(cells) + " |")
+    rows = []
+    for name in drafts:
+        draft = load_draft(name, target_path, model, model.device, model.dtype).eval()
+        target = HFTarget(model, list(draft.config.aux_layer_ids))
+        try:
+            correct, count, agree, by_conf, n_conf = measure(draft, target, encoded, args.steps, args.band,
+                                                             args.bands)
+        finally:
+            target.close()
+        print_tables(name, len(encoded), log.total, args.steps, args.band, args.bands, correct, count, agree,
+                     by_conf, n_conf)
+        rows.append(step0_row(correct, count, by_conf, n_conf))
+    if len(drafts) > 1:
+        print_comparison(drafts, rows, args.band)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def test_acceptance_by_position_keeps_the_first_turns_and_names_unusable_data(tm
         abp.encode_turns(encoder, convs, 1, str(questions), log)
 
 
-def test_acceptance_by_position_splits_step_0_by_the_targets_confidence(smollm2_dir):
+def test_acceptance_by_position_splits_step_0_by_the_targets_confidence(smollm2_dir, capsys):
     """The confidence table partitions exactly the tokens and hits of step 0 (first band and all), and
     its bins follow the target's own top-1 probability at each predicted token."""
     from eyas.eval.target import HFTarget
@@ -78,6 +78,17 @@ def test_acceptance_by_position_splits_step_0_by_the_targets_confidence(smollm2_
     for p in top1[tok - 1].tolist():
         expect[sum(p >= e for e in abp.CONFIDENCE_EDGES)] += 1
     assert torch.equal(n_conf[1], expect) and expect.count_nonzero() >= 3, expect
+
+    # the side-by-side row of several drafts: step 0 of the first band, of all tokens, then the first
+    # band's confidence bins; a draft half as good reads 0.50x in every column it has tokens in
+    row = abp.step0_row(correct, count, by_conf, n_conf)
+    assert row.shape == (2 + len(abp.CONFIDENCE_EDGES) + 1,)
+    assert row[0] == correct[0, 0] / count[0, 0] and row[1] == correct[-1, 0] / count[-1, 0]
+    assert torch.equal(row[2:], by_conf[0] / n_conf[0].clamp_min(1))
+    abp.print_comparison(["a", "b"], [torch.full_like(row, 0.4), torch.full_like(row, 0.2)], 16)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "| b / first | " + " | ".join(["0.50x"] * row.numel()) + " |"
+    assert lines[1].count("|") == lines[-1].count("|") and "0-15, p 0.9-1" in lines[1]
 
 
 def test_draft_parts_fill_each_part_and_round_trip_the_draft(tmp_path, smollm2_dir, monkeypatch):

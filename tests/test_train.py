@@ -183,6 +183,26 @@ def test_held_out_samples_are_never_trained_on_and_measure_the_draft(data, tmp_p
     assert check["final"]["val"]["loss"] == pytest.approx(vals[best]["loss"], rel=1e-5)
 
 
+def test_hard_labels_change_the_loss_only_and_the_draft_learns(data, tmp_path):
+    """--label-temperature 0: the same first step as the default except for the loss (accuracy is
+    agreement with the target's argmax either way); the draft learns the argmax on one-hot labels;
+    a checkpoint of the other labels is not resumed, and a negative temperature is refused."""
+    _, _, store = data
+    soft = train(tmp_path / "soft", store, max_steps=2, save_every=2)
+    train(tmp_path / "hard", store, max_steps=300, log_every=50, warmup_ratio=0.05, label_temperature=0)
+    one = train(tmp_path / "hard1", store, max_steps=2, save_every=2, label_temperature=0)
+    assert one["options_sha256"] != soft["options_sha256"]
+    ms, mh = metrics(tmp_path / "soft"), metrics(tmp_path / "hard1")
+    assert ms[0]["acc"] == mh[0]["acc"] and ms[0]["loss"] != mh[0]["loss"]
+    first, last = metrics(tmp_path / "hard")[0], metrics(tmp_path / "hard")[-1]
+    assert last["step"] == 300 and last["loss"] < 0.75 * first["loss"], (first, last)
+    assert min(last["acc"]) > 0.2 and last["tau_sim"] > 1.35, last  # chance is 1/48
+    with pytest.raises(EyasError, match="other data or options"):
+        train(tmp_path / "hard1", store, max_steps=2, save_every=2, resume=True)
+    with pytest.raises(EyasError, match="--label-temperature must be >= 0"):
+        train(tmp_path / "neg", store, label_temperature=-1)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):
     """A run stopped after step 5 (last checkpoint at 4) and resumed logs exactly the losses of a

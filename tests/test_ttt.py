@@ -213,6 +213,24 @@ def test_target_distribution_chunks_and_masks():
     assert torch.allclose(one.probs[:23].sum(-1), torch.ones(23)) and one.probs[23:].abs().sum() == 0
 
 
+def test_label_temperature_sharpens_to_the_argmax():
+    """T = 0.5 is softmax(2 * logits) over the draft vocabulary; T = 0 a one-hot on the target's
+    argmax (zero where that lies outside the draft vocabulary), whatever the chunking."""
+    draft, head = make_setup(3)
+    final = torch.randn(23, H)
+    vocab, index = draft_to_target_ids(draft.d2t), target_to_draft_ids(draft.t2d)
+    logits = head.logits(final)
+    half = target_distribution(head, final, vocab, index, pad_rows=2, label_temperature=0.5)
+    assert torch.allclose(half.probs[:23], torch.softmax(2 * logits[:, vocab], -1), atol=1e-6)
+    hard = target_distribution(head, final, vocab, index, pad_rows=2, chunk_elems=3 * V, label_temperature=0)
+    assert torch.equal(hard.ids, half.ids)
+    inside = hard.ids[:23] >= 0
+    assert inside.any() and (~inside).any()
+    assert torch.equal(hard.probs[:23][inside].argmax(-1), hard.ids[:23][inside])
+    assert torch.equal(hard.probs[:23].sum(-1), inside.float()) and hard.probs[23:].abs().sum() == 0
+    assert set(hard.probs.unique().tolist()) == {0.0, 1.0}
+
+
 def test_step_validity_rules():
     # two documents [0..4] and [5..7], padding row 8; token 6 not trained; target 2's argmax outside
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 0, 1, 0]).bool()

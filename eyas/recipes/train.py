@@ -84,6 +84,9 @@ def run_train(
     cfg = TrainConfig(**train_options)
     if cfg.max_time < 0:
         raise EyasError(f"--max-time must be >= 0 seconds (0 = no limit), got {cfg.max_time:g}")
+    if cfg.label_temperature < 0:
+        raise EyasError(f"--label-temperature must be >= 0 (1 = the target's distribution, 0 = its argmax), "
+                        f"got {cfg.label_temperature:g}")
     if draft_intermediate_size < 0:
         raise EyasError(f"--draft-intermediate-size must be >= 0 (0 = the target's), got {draft_intermediate_size}")
     if draft_layers < 1:
@@ -295,6 +298,11 @@ def cli(
                                      "later ones are plain Llama layers over the hidden state (vLLM and "
                                      "speculators serve them, SGLang does not). [default: 1]"),
     ttt_steps: int = typer.Option(7, "--ttt-steps", help="Training-time-test steps. [default: 7]"),
+    label_temperature: float = typer.Option(1.0, "--label-temperature", help="The draft learns softmax(target "
+                                            "logits / T): 1 = the target's distribution (EAGLE-3), 0 = a one-hot on "
+                                            "its argmax, the token greedy verification accepts. On SmolLM2, 0 "
+                                            "matched the target's greedy replies 3% less often than 1 "
+                                            "(docs/benchmarks.md). [default: 1]"),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the data. [default: 1]"),
     max_steps: int = typer.Option(0, "--max-steps", help="Optimizer steps; overrides --epochs when > 0. [default: 0]"),
     lr: float = typer.Option(1e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine to 10%). "
@@ -349,7 +357,7 @@ def cli(
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
                   draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, aux_layer_ids=ids,
-                  resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, epochs=epochs, max_steps=max_steps, lr=lr,
+                  resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, label_temperature=label_temperature, epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, val_samples=val_samples, val_every=val_every, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on",

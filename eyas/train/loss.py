@@ -34,11 +34,13 @@ class TargetDist:
 @torch.no_grad()
 def target_distribution(head: TargetHead, final_hidden: torch.Tensor, vocab_ids: torch.Tensor | None,
                         target_to_draft: torch.Tensor, pad_rows: int = 0, dtype: torch.dtype = torch.float32,
-                        chunk_elems: int = 1 << 27) -> TargetDist:
+                        chunk_elems: int = 1 << 27, label_temperature: float = 1.0) -> TargetDist:
     """final_hidden [N, H] -> TargetDist, `chunk_elems` full-vocabulary logits at a time.
 
     vocab_ids [V_d]: target id of each draft id (None when the draft vocabulary is the target's);
     target_to_draft [V]: draft id of each target id, -1 outside the draft vocabulary.
+    label_temperature: the labels are softmax(logits / T); 1 = the target's own distribution, 0 = a
+    one-hot on its argmax (what greedy verification accepts: near-ties count as a clear choice).
     """
     N = final_hidden.shape[0]
     V = head.vocab_size
@@ -52,8 +54,12 @@ def target_distribution(head: TargetHead, final_hidden: torch.Tensor, vocab_ids:
         b = min(N, a + rows)
         logits = head.logits(final_hidden[a:b])  # [c, V]
         ids[a:b] = target_to_draft[logits.argmax(-1)]
+        if label_temperature == 0:
+            hit = ids[a:b] >= 0
+            probs[a:b] = torch.nn.functional.one_hot(ids[a:b].clamp(min=0), V_d).to(dtype) * hit[:, None]
+            continue
         sub = logits if vocab_ids is None else logits.index_select(-1, vocab_ids)  # [c, V_d]
-        probs[a:b] = torch.softmax(sub.float(), dim=-1).to(dtype)
+        probs[a:b] = torch.softmax(sub.float() / label_temperature, dim=-1).to(dtype)
     return TargetDist(probs, ids)
 
 

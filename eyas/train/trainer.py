@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 class TrainConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    label_temperature: float = 1.0  # labels softmax(target logits / T); 0 = one-hot on the target's argmax
     lr: float = 1e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_ratio: float = 0.015
@@ -92,6 +93,8 @@ class TrainConfig:
         """Options a resumed run must share with the run it continues (else the curve differs)."""
         keep = ("ttt_steps", "ttt_decay", "lr", "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay",
                 "betas", "grad_clip", "token_budget", "grad_accum", "epochs", "max_steps", "seed", "dtype")
+        if self.label_temperature != 1.0:  # (only then: runs without it keep the fingerprint they had)
+            keep += ("label_temperature",)
         d = asdict(self)
         return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in keep}
 
@@ -245,7 +248,8 @@ class Trainer:
         final = b["final_hidden"].to(self.dtype)
         with torch.no_grad():
             tgt = target_distribution(self.head, final, self.vocab_ids, self.t2d_index,
-                                      pad_rows=self.cfg.ttt_steps + 1, dtype=self.dtype)
+                                      pad_rows=self.cfg.ttt_steps + 1, dtype=self.dtype,
+                                      label_temperature=self.cfg.label_temperature)
         docs = b["document_ids"][None] if b["multi_doc"] else None
         emb = None if self.embed_table is None else b["input_embeds"][None].to(self.dtype)
         with self.autocast():
