@@ -301,7 +301,7 @@ def cli(
     label_temperature: float = typer.Option(1.0, "--label-temperature", help="The draft learns softmax(target "
                                             "logits / T): 1 = the target's distribution (EAGLE-3), 0 = a one-hot on "
                                             "its argmax, the token greedy verification accepts. On SmolLM2, 0 "
-                                            "matched the target's greedy replies 3% less often than 1 "
+                                            "matched the target's greedy replies 3-5% less often than 1 "
                                             "(docs/benchmarks.md). [default: 1]"),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the data. [default: 1]"),
     max_steps: int = typer.Option(0, "--max-steps", help="Optimizer steps; overrides --epochs when > 0. [default: 0]"),
