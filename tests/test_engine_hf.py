@@ -139,6 +139,8 @@ def test_default_and_bad_aux_layer_ids():
     assert HFEngine(model, dtype="float32", device="cpu").aux_layer_ids == [2, 3, 3]  # [2, N//2, N-3], N=6
     with pytest.raises(EyasError, match=r"out of range.*6 decoder layers"):
         HFEngine(model, aux_layer_ids=[2, 6], dtype="float32", device="cpu")
+    with pytest.raises(EyasError, match=r"in layer order, got \[4, 1\].*write 1,4"):  # vLLM would serve [1, 4]
+        HFEngine(model, aux_layer_ids=[4, 1], dtype="float32", device="cpu")
     with pytest.raises(EyasError, match="unknown engine"):
         load_engine("nope", model)
 

@@ -110,6 +110,27 @@ def test_roundtrip_bf16(tmp_path):
     assert torch.equal(clone[3]["aux_hidden"], store[3]["aux_hidden"])
 
 
+def test_reading_some_of_the_layers(tmp_path):
+    """HiddenStore(path, ids) hands out those layers' columns only (bf16 and fp8), survives pickling for
+    the DataLoader workers, and refuses layers the store lacks or ids out of layer order, by name."""
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        out = tmp_path / dtype
+        write_store(out, LENGTHS, meta(dtype))
+        full, some = HiddenStore(out), HiddenStore(out, [2, 5])
+        assert some.aux_layer_ids == [2, 5] and full.aux_layer_ids == [2, 4, 5]
+        for i in range(len(LENGTHS)):
+            a, b = full[i]["aux_hidden"], some[i]["aux_hidden"]
+            assert b.shape == (LENGTHS[i], 2 * H)
+            assert torch.equal(b[:, :H], a[:, :H]) and torch.equal(b[:, H:], a[:, 2 * H:])
+            assert torch.equal(some[i]["final_hidden"], full[i]["final_hidden"])
+        assert torch.equal(pickle.loads(pickle.dumps(some))[4]["aux_hidden"], some[4]["aux_hidden"])
+        assert torch.equal(HiddenStore(out, [4])[3]["aux_hidden"], full[3]["aux_hidden"][:, H:2 * H])
+    with pytest.raises(EyasError, match=r"holds aux layers \[2, 4, 5\], not \[3\].*--aux-layers 2,3"):
+        HiddenStore(out, [2, 3])
+    with pytest.raises(EyasError, match=r"must be in layer order, got \[5, 2\].*write 2,5"):
+        HiddenStore(out, [5, 2])
+
+
 def test_fp8_per_token_scales_halve_the_disk(tmp_path):
     write_store(tmp_path / "bf16", LENGTHS, meta(), shard_bytes=1 << 20)
     write_store(tmp_path / "fp8", LENGTHS, meta("float8_e4m3fn"), shard_bytes=1 << 20)

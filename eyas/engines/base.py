@@ -12,7 +12,7 @@ from eyas.engines.head import TargetHead
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's rule: an early, a middle and a late layer (61 layers -> [2, 30, 58])."""
-    return [2, num_layers // 2, num_layers - 3]
+    return sorted([2, num_layers // 2, num_layers - 3])  # (sorted: only targets of < 6 layers differ)
 
 
 @dataclass
@@ -75,6 +75,20 @@ class TargetEngine(ABC):
         """Release engine resources (GPU memory, worker processes)."""
 
 
+def parse_layer_ids(text: str | list[int] | None, option: str = "--aux-layers") -> list[int] | None:
+    """'2,15,27' -> [2, 15, 27]; '' / None -> None (the EAGLE-3 default)."""
+    from eyas.utils.io import EyasError
+
+    if text is None or text == "" or text == []:
+        return None
+    if isinstance(text, (list, tuple)):
+        return [int(x) for x in text]
+    try:
+        return [int(x) for x in str(text).replace(" ", "").split(",") if x] or None
+    except ValueError as e:
+        raise EyasError(f"{option} must be comma-separated integers like 2,15,27 (got {text!r})") from e
+
+
 def validate_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
     from eyas.utils.io import EyasError
 
@@ -85,6 +99,10 @@ def validate_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[in
             f"aux layer ids {bad} are out of range for a target with {num_layers} decoder layers "
             f"(valid: 0..{num_layers - 1}; id k is the input of decoder layer k)"
         )
+    if ids != sorted(ids):
+        # vLLM and SGLang hand a served draft its target's layers in layer order, whatever the config's order
+        raise EyasError(f"aux layer ids must be in layer order, got {ids}: serving engines give the draft the "
+                        f"layers in that order, so write {','.join(map(str, sorted(ids)))}")
     return ids
 
 

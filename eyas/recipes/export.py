@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 import eyas
+from eyas.engines.base import parse_layer_ids
 from eyas.export.formats import FORMATS, ExportOptions, export_draft, import_draft
 from eyas.utils.io import EyasError, fingerprint_path, read_json, sha256_json
 
@@ -25,15 +26,6 @@ def _up_to_date(out: Path, options_sha256: str) -> bool:
         return read_json(manifest).get("options_sha256") == options_sha256
     except (OSError, ValueError):
         return False
-
-
-def parse_layer_ids(text: str | None) -> list[int] | None:
-    if text is None or not text.strip():
-        return None
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError as e:
-        raise EyasError(f"--aux-layer-ids must be comma-separated integers like 2,15,27; got {text!r}") from e
 
 
 def run_export(draft: str | Path, fmt: str, out: str | Path, verifier: str | None = None,
@@ -110,7 +102,7 @@ def cli(
     aux_layer_ids: str = typer.Option(None, "--aux-layer-ids", help="Override the aux layers, e.g. 2,15,27 (input of "
                                       "decoder layer k). Default: from the checkpoint."),
 ) -> None:
-    ids = parse_layer_ids(aux_layer_ids)
+    ids = parse_layer_ids(aux_layer_ids, "--aux-layer-ids")
     if import_:
         run_import(draft, out, target=target, layout=layout, aux_layer_ids=ids, log=typer.echo)
         return

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 import typer
 
-from eyas.engines.base import TargetEngine, default_aux_layer_ids, plan_batches, validate_aux_layer_ids
+from eyas.engines.base import (
+    TargetEngine,
+    default_aux_layer_ids,
+    parse_layer_ids,
+    plan_batches,
+    validate_aux_layer_ids,
+)
 from eyas.store.store import (
     HiddenStore,
     ShardBuffer,
@@ -41,19 +47,6 @@ from eyas.store.store import (
 )
 from eyas.utils.io import EyasError, human_bytes, read_json, sha256_file, sha256_json
 from eyas.utils.progress import progress_bar
-
-
-def parse_layer_ids(text: str | list[int] | None) -> list[int] | None:
-    """'2,15,27' -> [2, 15, 27]; '' / None -> None (the EAGLE-3 default)."""
-    if text is None or text == "" or text == []:
-        return None
-    if isinstance(text, (list, tuple)):
-        return [int(x) for x in text]
-    try:
-        return [int(x) for x in str(text).replace(" ", "").split(",") if x]
-    except ValueError as e:
-        raise EyasError(f"--aux-layers must be comma-separated integers like 2,15,27 (got {text!r})") from e
-
 
 # ---------------------------------------------------------------------------------------------
 # distributed: plain torchrun env vars; a gloo group only for barriers (no tensors move between ranks)

@@ -104,20 +104,20 @@ def run_train(
     if store is not None:
         from eyas.store import HiddenStore
 
-        st = HiddenStore(store)
+        st = HiddenStore(store, aux_layer_ids)
         manifest = st.manifest
         lengths = st.lengths
         source_id = {"store": manifest.get("options_sha256"), "num_tokens": manifest["num_tokens"]}
         from eyas.assets import resolve_model
 
         target_name = resolve_model(model) if model else manifest["target"]
-        aux_ids = list(manifest["aux_layer_ids"])
+        aux_ids = st.aux_layer_ids
         head = st.target_head()
         target_cfg = _target_config(target_name)
         if manifest.get("target_config_sha256") and target_config_sha256(target_cfg) != manifest["target_config_sha256"]:
             raise EyasError(f"the target config of '{target_name}' differs from the one the store {store} was extracted "
                             f"with ({manifest['target']}): pass --model with that target")
-        source, kind, counts_path = SampleSource(store, "store"), "store", Path(store)
+        source, kind, counts_path = SampleSource(store, "store", aux_ids), "store", Path(store)
     else:
         from eyas.assets import resolve_model
         from eyas.data.prepared import PreparedDataset
@@ -346,14 +346,18 @@ def cli(
     num_workers: int = typer.Option(2, "--num-workers", help="DataLoader worker processes. [default: 2]"),
     report_to: str = typer.Option("auto", "--report-to", help="auto (TensorBoard if installed; W&B if installed and "
                                   "WANDB_PROJECT is set), tensorboard, wandb, none. [default: auto]"),
-    aux_layers: str = typer.Option("", "--aux-layers", help="Online: comma-separated aux layer ids. "
-                                   "[default: 2,N//2,N-3]"),
+    aux_layers: str = typer.Option("", "--aux-layers", help="Comma-separated aux layer ids, ascending (id k = input "
+                                   "of decoder layer k). Online: the target's layers to capture [default: "
+                                   "2,N//2,N-3]; offline: some of the store's (extract once with more layers, "
+                                   "train drafts on different choices) [default: all of them]."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda. [default: auto]"),
 ) -> None:
     for name, value in (("--compile", compile_), ("--cuda-graph", cuda_graph)):
         if value not in ("auto", "on", "off"):
             raise EyasError(f"{name} must be auto, on or off, got '{value}'")
-    ids = [int(x) for x in aux_layers.split(",") if x.strip()] or None
+    from eyas.engines.base import parse_layer_ids
+
+    ids = parse_layer_ids(aux_layers)
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
                   draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, aux_layer_ids=ids,

@@ -206,9 +206,12 @@ class HiddenStore:
 
     store[i] -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T],
                  "aux_hidden": bf16 [T, k*H], "final_hidden": bf16 [T, H]}   (fp8 is dequantized)
+
+    `aux_layer_ids` reads only some of the stored layers (k of them, in layer order): a store
+    extracted once with extra layers trains drafts on different choices.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, aux_layer_ids: list[int] | None = None) -> None:
         self.path = Path(path)
         mpath = self.path / "manifest.json"
         if not mpath.is_file():
@@ -219,7 +222,18 @@ class HiddenStore:
         if self.manifest.get("format") != FORMAT:
             raise EyasError(f"{mpath}: format is {self.manifest.get('format')!r}, expected {FORMAT!r}")
         m = self.manifest
-        self.aux_layer_ids: list[int] = list(m["aux_layer_ids"])
+        stored = list(m["aux_layer_ids"])
+        self.aux_layer_ids: list[int] = stored if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
+        self._aux_pick: torch.Tensor | None = None  # indices of the read layers among the stored ones
+        if self.aux_layer_ids != stored:
+            from eyas.engines.base import validate_aux_layer_ids
+
+            validate_aux_layer_ids(self.aux_layer_ids, int(m["num_layers"]))
+            missing = [i for i in self.aux_layer_ids if i not in stored]
+            if missing:
+                raise EyasError(f"the store {self.path} holds aux layers {stored}, not {missing}: pick among those, "
+                                f"or extract again with --aux-layers {','.join(map(str, self.aux_layer_ids))}")
+            self._aux_pick = torch.tensor([stored.index(i) for i in self.aux_layer_ids])
         self.hidden_size: int = int(m["hidden_size"])
         self.dtype: str = m["dtype"]
         self.shards: list[dict] = m["shards"]
@@ -268,6 +282,8 @@ class HiddenStore:
         if self.dtype == "float8_e4m3fn":
             aux = dequantize_fp8(aux, f.get_slice("aux_scale")[a:b])
             final = dequantize_fp8(final, f.get_slice("final_scale")[a:b])
+        if self._aux_pick is not None:  # [T, k_stored*H] -> [T, k*H]
+            aux = aux.view(b - a, -1, self.hidden_size).index_select(1, self._aux_pick).reshape(b - a, -1)
         return {
             "input_ids": f.get_slice("input_ids")[a:b].long(),
             "loss_mask": f.get_slice("loss_mask")[a:b].bool(),

@@ -111,10 +111,11 @@ def hold_out(num_samples: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarra
 
 
 class SampleSource:
-    """Opens a HiddenStore (states=True) or any token dataset lazily, once per process."""
+    """Opens a HiddenStore (states=True; `aux_layer_ids`: some of its layers) or any token dataset
+    lazily, once per process."""
 
-    def __init__(self, path: str | Path, kind: str) -> None:
-        self.path, self.kind = str(path), kind  # kind: "store" | "prepared"
+    def __init__(self, path: str | Path, kind: str, aux_layer_ids: list[int] | None = None) -> None:
+        self.path, self.kind, self.aux_layer_ids = str(path), kind, aux_layer_ids  # kind: "store" | "prepared"
         self._ds: Any = None
 
     @property
@@ -123,7 +124,7 @@ class SampleSource:
             if self.kind == "store":
                 from eyas.store import HiddenStore
 
-                self._ds = HiddenStore(self.path)
+                self._ds = HiddenStore(self.path, self.aux_layer_ids)
             else:
                 from eyas.data.prepared import PreparedDataset
 
@@ -131,7 +132,7 @@ class SampleSource:
         return self._ds
 
     def __getstate__(self) -> dict[str, Any]:  # workers reopen the files themselves
-        return {"path": self.path, "kind": self.kind, "_ds": None}
+        return {**self.__dict__, "_ds": None}
 
 
 class PackDataset(Dataset):
