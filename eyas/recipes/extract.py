@@ -340,7 +340,7 @@ def cli(
     out: Path = typer.Option(..., "--out", help="Store folder to write (OUT.partial/ holds an unfinished run)."),
     engine: str = typer.Option("hf", "--engine", help="Target engine: hf (transformers) or vllm. [default: hf]"),
     aux_layers: str = typer.Option("", "--aux-layers", help="Comma-separated aux layer ids (id k = input of decoder "
-                                   "layer k). [default: EAGLE-3's 2,N//2,N-3]"),
+                                   "layer k), in layer order (default: EAGLE-3's 2,N//2,N-3)."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, "
                               "float32. States are stored as bfloat16 (or fp8). [default: auto]"),
     token_budget: int = typer.Option(0, "--token-budget", help="Padded tokens per forward batch; 0 = 16384 on GPU "

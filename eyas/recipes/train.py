@@ -346,10 +346,10 @@ def cli(
     num_workers: int = typer.Option(2, "--num-workers", help="DataLoader worker processes. [default: 2]"),
     report_to: str = typer.Option("auto", "--report-to", help="auto (TensorBoard if installed; W&B if installed and "
                                   "WANDB_PROJECT is set), tensorboard, wandb, none. [default: auto]"),
-    aux_layers: str = typer.Option("", "--aux-layers", help="Comma-separated aux layer ids, ascending (id k = input "
-                                   "of decoder layer k). Online: the target's layers to capture [default: "
-                                   "2,N//2,N-3]; offline: some of the store's (extract once with more layers, "
-                                   "train drafts on different choices) [default: all of them]."),
+    aux_layers: str = typer.Option("", "--aux-layers", help="Comma-separated aux layer ids in layer order (id k = "
+                                   "input of decoder layer k). Online: the target's layers to capture; offline: "
+                                   "some of the store's, to compare choices on one extraction (default: online "
+                                   "2,N//2,N-3, offline all of the store's)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda. [default: auto]"),
 ) -> None:
     for name, value in (("--compile", compile_), ("--cuda-graph", cuda_graph)):
