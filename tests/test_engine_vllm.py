@@ -116,9 +116,9 @@ def test_native_path_matches_transformers(native_engine, reference):
     seqs, refs = reference
     eng = native_engine
     assert eng.path == "native" and eng.num_layers == N_LAYERS and eng.hidden_size == HIDDEN
-    # default ids for 4 layers are [2, 2, 1]: unsorted with a duplicate, vLLM collects {1, 2} sorted
-    assert eng.aux_layer_ids == [2, 2, 1]
-    check_against_reference(eng, seqs, refs, [2, 2, 1])
+    # default ids for 4 layers are [1, 2, 2]: with a duplicate, vLLM collects {1, 2} once each
+    assert eng.aux_layer_ids == [1, 2, 2]
+    check_against_reference(eng, seqs, refs, [1, 2, 2])
 
 
 @needs_vllm
@@ -189,13 +189,16 @@ def test_hooks_path_matches_transformers(native_engine, tiny_llama, reference):
     with pytest.raises(EyasError, match="prefix caching is on"):
         VllmEngine(str(tiny_llama), dtype="float32", capture_path="hooks", kv_cache_memory_bytes=32 << 20,
                    max_model_len=MAX_LEN, llm_kwargs={"enable_prefix_caching": True})
+    # ids out of layer order: a served draft would get its layers in layer order, so refused up front
+    with pytest.raises(EyasError, match="in layer order, got \\[3, 0, 2\\]"):
+        VllmEngine(str(tiny_llama), aux_layer_ids=[3, 0, 2], dtype="float32", capture_path="hooks")
     t0 = time.perf_counter()
-    eng = VllmEngine(str(tiny_llama), aux_layer_ids=[3, 0, 2], dtype="float32", capture_path="hooks",
+    eng = VllmEngine(str(tiny_llama), aux_layer_ids=[0, 2, 3], dtype="float32", capture_path="hooks",
                      kv_cache_memory_bytes=32 << 20, max_model_len=MAX_LEN)
     print(f"\n[vllm hooks] startup {time.perf_counter() - t0:.1f} s")
     try:
         assert eng.path == "hooks"
-        check_against_reference(eng, seqs, refs, [3, 0, 2])
+        check_against_reference(eng, seqs, refs, [0, 2, 3])
     finally:
         eng.close()
 
