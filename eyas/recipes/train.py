@@ -361,7 +361,8 @@ def cli(
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
                   draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, aux_layer_ids=ids,
-                  resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, label_temperature=label_temperature, epochs=epochs, max_steps=max_steps, lr=lr,
+                  resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, label_temperature=label_temperature,
+                  epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, val_samples=val_samples, val_every=val_every, dtype=dtype, fsdp=fsdp, attention=attention,
                   compile=None if compile_ == "auto" else compile_ == "on",
