@@ -8,6 +8,7 @@ import torch
 import transformers as tf
 
 from eyas.engines import load_engine, plan_batches
+from eyas.engines.base import parse_layer_ids
 from eyas.engines.hf import HFEngine
 from eyas.utils.io import EyasError
 
@@ -143,6 +144,10 @@ def test_default_and_bad_aux_layer_ids():
         HFEngine(model, aux_layer_ids=[4, 1], dtype="float32", device="cpu")
     with pytest.raises(EyasError, match="unknown engine"):
         load_engine("nope", model)
+    # the one parser of every --aux-layers / --aux-layer-ids option
+    assert parse_layer_ids("2, 15,27") == [2, 15, 27] and parse_layer_ids("") is None
+    with pytest.raises(EyasError, match=r"--aux-layer-ids must be comma-separated integers.*'2,x'"):
+        parse_layer_ids("2,x", "--aux-layer-ids")
 
 
 def test_plan_batches_respects_the_budget_with_little_padding():
