@@ -56,10 +56,12 @@ def tiny_target(vocab: int = 64, seed: int = 0, layers: int = 4, init: float = 0
     return LlamaForCausalLM(cfg).eval()
 
 
-def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0, layers: int = 1) -> Eagle3Draft:
+def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0, layers: int = 1,
+               eagle31: bool = False) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig.from_target_config(target.config, aux_ids, draft_vocab_size=draft_vocab)
     cfg.num_hidden_layers = layers
+    cfg.fc_norm = cfg.norm_output = eagle31
     draft = Eagle3Draft(cfg)
     draft.load_target_embedding(target.get_input_embeddings().weight.detach())
     counts = torch.zeros(cfg.vocab_size, dtype=torch.long)  # no data: the first ids
@@ -108,7 +110,7 @@ def train_draft(draft: Eagle3Draft, data, steps: int, ttt: int = 3, lr: float = 
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny target, 12 prompts with its greedy continuations, and drafts trained on them (vocab 48 of
-    64): one decoder layer (EAGLE-3's) and two."""
+    64): one decoder layer (EAGLE-3's), two, and EAGLE-3.1's (fc_norm, norm_output)."""
     target = tiny_target()
     aux = [1, 2, 3]
     g = torch.Generator().manual_seed(1)
@@ -120,9 +122,11 @@ def tiny():
     train_draft(trained, capture(target, seqs, aux), steps=120)
     two_layers = make_draft(target, aux, 48, seqs, layers=2)
     train_draft(two_layers, capture(target, seqs, aux), steps=120)
+    eagle31 = make_draft(target, aux, 48, seqs, eagle31=True)
+    train_draft(eagle31, capture(target, seqs, aux), steps=120)
     untrained = make_draft(target, aux, 48, seqs, seed=1)
     return {"target": target, "aux": aux, "prompts": prompts, "trained": trained, "two_layers": two_layers,
-            "untrained": untrained}
+            "eagle31": eagle31, "untrained": untrained}
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -134,7 +138,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 # -- exactness ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("which", ["trained", "two_layers"])
+@pytest.mark.parametrize("which", ["trained", "two_layers", "eagle31"])
 def test_tiny_trained_draft_accepts_often_and_output_is_the_targets(tiny, which):
     prompts = tiny["prompts"][:4]
     res = evaluate_draft(tiny["target"], None, tiny[which], prompts, chain=[2, 4], tree=["12:4:3"],
@@ -222,7 +226,7 @@ def ttt_logits(draft, seq: list[int], aux: torch.Tensor, steps: int) -> torch.Te
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("which", ["trained", "two_layers"])
+@pytest.mark.parametrize("which", ["trained", "two_layers", "eagle31"])
 def test_decoding_proposes_what_training_time_test_predicts(tiny, which):
     """What the draft learns is what it proposes: in every round of greedy speculative decoding, the
     draft's logits at the root (the row that reads the newest token with the target's state before it)

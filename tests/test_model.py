@@ -124,6 +124,26 @@ def test_kv_cache_decoding_matches_causal_prefill():
     assert (again - full[:, 7:]).abs().max() < 1e-5
 
 
+def test_eagle31_fc_norm_balances_aux_layers_and_norm_output_bounds_the_feedback():
+    """fc_norm: the fused input no longer depends on each aux layer's scale (without it, a late layer
+    100x larger changes it); norm_output: a step hands on a state of RMS ~1
+    times the final norm's weight whatever its input's scale, and lm_head reads it without a second
+    norm (the logits are those of the plain draft's raw output)."""
+    torch.manual_seed(0)
+    aux = torch.randn(1, 6, 3 * 64)
+    scaled = torch.cat([aux[..., :64], aux[..., 64:128], 100 * aux[..., 128:]], dim=-1)
+    plain, e31 = Eagle3Draft(tiny_config()), Eagle3Draft(tiny_config(fc_norm=True, norm_output=True))
+    e31.load_state_dict(plain.state_dict(), strict=False)  # same weights; the new norms start at 1
+    assert torch.allclose(e31.fuse(scaled), e31.fuse(aux), atol=1e-5)
+    assert not torch.allclose(plain.fuse(scaled), plain.fuse(aux), atol=1e-2)
+    ids, pos = torch.randint(0, 100, (1, 6)), torch.arange(6)[None]
+    for scale in (1.0, 1000.0):
+        raw = plain(ids, scale * plain.fuse(aux), pos, causal_attend)
+        out = e31(ids, scale * plain.fuse(aux), pos, causal_attend)
+        assert torch.allclose(out.pow(2).mean(-1).sqrt(), torch.ones(1, 6), atol=1e-3)
+        assert torch.allclose(e31.logits(out), plain.logits(raw), atol=1e-5)
+
+
 def test_checkpoint_roundtrip_and_bad_checkpoints(tmp_path):
     draft = Eagle3Draft(tiny_config())
     counts = torch.arange(100)

@@ -348,6 +348,32 @@ def test_draft_layers_trains_a_deeper_draft(data, tmp_path):
         train(tmp_path / "none", store, max_steps=1, draft_layers=0)
 
 
+def test_eagle31_switches_train_export_and_import(data, tmp_path):
+    """--fc-norm --norm-output: the draft carries one norm per aux layer and learns; vLLM and
+    speculators exports say so and import back to the same tensors; SGLang's is refused (releases
+    without the switches would drop them silently); a plain --init-draft is refused by name."""
+    from eyas.export.formats import ExportOptions, export_draft
+
+    target, _, store = data
+    train(tmp_path / "e31", store, max_steps=40, fc_norm=True, norm_output=True)
+    draft = Eagle3Draft.from_pretrained(tmp_path / "e31" / "draft")
+    assert draft.config.fc_norm and draft.config.norm_output and len(draft.fc_norm) == 3
+    assert any(not torch.equal(n.weight, torch.ones_like(n.weight)) for n in draft.fc_norm)  # trained
+    rows = metrics(tmp_path / "e31")
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    for fmt in ("vllm", "speculators"):
+        export_draft(draft, tmp_path / fmt, fmt, ExportOptions(verifier=str(target), dtype="float32"))
+        config = json.loads((tmp_path / fmt / "config.json").read_text())
+        assert config["fc_norm"] is True and config["norm_output"] is True
+        back = import_draft(tmp_path / fmt, target=str(target))
+        assert back.config.fc_norm and back.config.norm_output
+        assert all(torch.equal(a.weight, b.weight) for a, b in zip(back.fc_norm, draft.fc_norm, strict=True))
+    with pytest.raises(EyasError, match="EAGLE-3.1 draft.*Export --format vllm or speculators"):
+        export_draft(draft, tmp_path / "sglang", "sglang", ExportOptions(verifier=str(target)))
+    with pytest.raises(EyasError, match="fc_norm False \\(this run: True\\)"):
+        train(tmp_path / "bad", store, max_steps=1, fc_norm=True, init_draft=_trained_narrow(tmp_path, store))
+
+
 def test_offline_training_on_some_of_the_stores_layers(data, tmp_path):
     """--aux-layers offline: the draft is built for, and fed, the chosen layers of the store: the very
     states the target gives an online run capturing only those layers (to bf16 rounding); it learns,

@@ -10,6 +10,7 @@ The differences that silently cost acceptance, and how each layout spells them:
 | residual before hidden_norm | `norm_before_residual` absent = False | absent = **True** in vLLM's reader | always False | always False |
 | number of aux layers | `num_aux_hidden_states` (else 3) | len(ids) | 3 | 3 |
 | more decoder layers | `layers.1.*` ... (plain Llama layers) | same | not served | none |
+| EAGLE-3.1 switches | `fc_norm`, `norm_output` (top level); `fc_norm.i.*` | same | refused: not in every release | none |
 
 Layer id k means the input of target decoder layer k (eyas, vLLM, speculators, transformers'
 `hidden_states[k]`). SGLang adds 1 to the explicit ids it reads from `eagle_config`, so it must be
@@ -107,6 +108,10 @@ def _check_exportable(cfg: DraftConfig, fmt: str) -> None:
     if fmt == "speculators" and cfg.target_hidden_size != cfg.hidden_size:
         raise EyasError(f"speculators sizes fc as {k} x the draft's hidden size ({cfg.hidden_size}), but this draft "
                         f"reads target states of size {cfg.target_hidden_size}: export --format vllm instead.")
+    if fmt == "sglang" and (cfg.fc_norm or cfg.norm_output):
+        raise EyasError("this is an EAGLE-3.1 draft (fc_norm / norm_output); SGLang releases without those "
+                        "switches skip the fc_norm tensors and feed the raw hidden state without a word. "
+                        "Export --format vllm or speculators.")
     if cfg.hidden_act != "silu":
         raise EyasError(f"hidden_act {cfg.hidden_act!r} is not supported by the engines' EAGLE-3 drafts (silu only)")
 
@@ -176,6 +181,8 @@ def vllm_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None 
         # read by the draft to size fc (vLLM assumes 3 without it)
         "num_aux_hidden_states": cfg.num_aux_layers,
         "norm_before_residual": False,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "eyas": _eyas_block(cfg, "vllm"),
     }
 
@@ -215,8 +222,8 @@ def speculators_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str 
         # vLLM's speculators reader defaults this to True when absent: always spell it out
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -409,8 +416,7 @@ def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_conf
         raise EyasError(f"{where}/config.json: missing {missing}: not an EAGLE-3 draft config")
     # Variants of the decoder layer that Eagle3Draft does not compute: loading them would be silently wrong.
     unsupported = {"norm_before_residual": c.get("norm_before_residual", False),
-                   "norm_before_fc": c.get("norm_before_fc", False), "fc_norm": c.get("fc_norm", False),
-                   "norm_output": c.get("norm_output", False),
+                   "norm_before_fc": c.get("norm_before_fc", False),
                    "attention_bias": layer.get("attention_bias", False), "mlp_bias": layer.get("mlp_bias", False)}
     if layout == "speculators" and "norm_before_residual" not in c:
         unsupported["norm_before_residual"] = True  # what vLLM assumes when speculators leaves it out
@@ -443,6 +449,8 @@ def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_conf
         aux_layer_ids=_foreign_aux_ids(c, layout, where, target_layers),
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
         num_hidden_layers=num_layers,
+        fc_norm=bool(c.get("fc_norm", False)),
+        norm_output=bool(c.get("norm_output", False)),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),

@@ -57,6 +57,8 @@ class DraftConfig:
     aux_layer_ids: list[int]
     rms_norm_eps: float = 1e-6
     num_hidden_layers: int = 1  # decoder layers: the first reads [embedding ; hidden], later ones hidden
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer's state before fc
+    norm_output: bool = False  # EAGLE-3.1: the next step reads the final-normed hidden state
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096

@@ -5,7 +5,10 @@ side. At the first step that hidden state is `fc` of the target's aux-layer stat
 features fused); at later steps it is the draft's own previous output. A reduced vocabulary head
 predicts the next token; `d2t` maps its ids back to the target's. Optionally more decoder layers
 follow the first as plain Llama layers over the hidden state alone (`num_hidden_layers`, the layout
-vLLM and speculators build for such drafts).
+vLLM and speculators build for such drafts). EAGLE-3.1's two switches: `fc_norm` gives each aux
+layer's state its own RMSNorm before `fc` (deep layers' large norms no longer drown the early
+layer), and `norm_output` feeds the next step the final-normed hidden state instead of the raw one
+(so its scale cannot drift over the unrolled steps).
 
 Attention is pluggable: the layer computes q, k, v with rotary positions and hands them to an
 `attend(q, k, v)` callable, so the training-time-test pattern (eyas.model.attention.TTTAttention),
@@ -132,6 +135,9 @@ class Eagle3Draft(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        if cfg.fc_norm:  # EAGLE-3.1: one norm per aux layer's state
+            self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                          for _ in range(cfg.num_aux_layers)])
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, H, bias=False)
         if cfg.num_hidden_layers < 1:
             raise EyasError(f"a draft needs at least one decoder layer, got num_hidden_layers={cfg.num_hidden_layers}")
@@ -181,12 +187,17 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, k*H_t] target aux states -> [B, T, H] the first step's hidden input."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = aux_hidden.chunk(self.config.num_aux_layers, dim=-1)  # k x [B, T, H_t]
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(aux_hidden)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attend: Attend, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """One draft step. input_ids [B, T], hidden [B, T, H] -> the draft's hidden output [B, T, H]
-        (pre-norm: it is both fed to the next step and turned into logits by `logits`).
+        """One draft step. input_ids [B, T], hidden [B, T, H] -> the draft's hidden output [B, T, H]:
+        what the next step takes as `hidden`, and what `logits` turns into logits (raw; final-normed
+        with `norm_output`).
         `inputs_embeds` [B, T, H], when given, replaces the embedding lookup (a trainer that keeps
         the frozen table on the host). A stateful `attend` (TTT, KV cache) gives each layer its own
         keys through `attend.layer(i)`."""
@@ -195,11 +206,15 @@ class Eagle3Draft(nn.Module):
         per_layer = getattr(attend, "layer", None)
         for i, layer in enumerate(self.layers):
             hidden = layer(emb, hidden, cos, sin, per_layer(i) if per_layer else attend)
-        return hidden
+        return self.norm(hidden) if self.config.norm_output else hidden
+
+    def head_input(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """A step's output [..., H] -> what lm_head reads: final-normed once, whichever the variant."""
+        return hidden_out if self.config.norm_output else self.norm(hidden_out)
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V_d] draft-vocabulary logits."""
-        return self.lm_head(self.norm(hidden_out))
+        return self.lm_head(self.head_input(hidden_out))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

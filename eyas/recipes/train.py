@@ -40,6 +40,8 @@ def run_train(
     draft_vocab_size: int = 32000,
     draft_intermediate_size: int = 0,
     draft_layers: int = 1,
+    fc_norm: bool = False,
+    norm_output: bool = False,
     aux_layer_ids: list[int] | None = None,
     engine: str = "hf",
     target_dtype: str = "auto",
@@ -54,7 +56,8 @@ def run_train(
     `init_draft`: start from that draft's weights and vocabulary (any layout eyas imports) instead of
     fresh ones; `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
     `engine_obj` is an already built target engine for online training; `draft_intermediate_size` widens
-    (or narrows) the draft's MLP, 0 = the target's; `draft_layers` is its number of decoder layers."""
+    (or narrows) the draft's MLP, 0 = the target's; `draft_layers` is its number of decoder layers;
+    `fc_norm` and `norm_output` are EAGLE-3.1's switches (eyas.model.draft)."""
     from eyas.model.config import DraftConfig, target_config_sha256
     from eyas.model.draft import Eagle3Draft
     from eyas.model.vocab import build_draft_vocab
@@ -146,6 +149,7 @@ def run_train(
     if draft_intermediate_size:
         dcfg.intermediate_size = draft_intermediate_size
     dcfg.num_hidden_layers = draft_layers
+    dcfg.fc_norm, dcfg.norm_output = fc_norm, norm_output
     if dcfg.vocab_size != head.vocab_size:
         dcfg.vocab_size = head.vocab_size  # the lm_head's rows are what the target predicts over
         dcfg.draft_vocab_size = min(dcfg.draft_vocab_size, dcfg.vocab_size)
@@ -166,9 +170,11 @@ def run_train(
                         f"optimizer step needs ({info.world} rank(s) x {cfg.grad_accum} accumulation). Lower "
                         "--token-budget or --grad-accum, or use more data")
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
-    # (num_hidden_layers only when > 1: one-layer runs keep the fingerprint they had)
+    # (num_hidden_layers only when > 1, EAGLE-3.1's switches only when on: other runs keep the fingerprint
+    # they had)
     draft_opts = {k: v for k, v in dcfg.to_dict().items()
-                  if k != "extra" and not (k == "num_hidden_layers" and v == 1)}
+                  if k != "extra" and not (k == "num_hidden_layers" and v == 1)
+                  and not (k in ("fc_norm", "norm_output") and not v)}
     options = {"source": source_id, "draft": draft_opts,
                "train": cfg.schedule_options(), "world": info.world, "kind": kind}
     if init is not None:  # (only then: runs without it keep the fingerprint they had)
@@ -272,7 +278,7 @@ def _load_init_draft(path: Path, dcfg: Any, target: str) -> Any:
     init = import_draft(path, target=target if Path(str(target)).is_dir() else None)
     have, want = init.config, dcfg
     fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "target_hidden_size", "aux_layer_ids")
+              "head_dim", "vocab_size", "target_hidden_size", "aux_layer_ids", "fc_norm", "norm_output")
     diff = [f"{f} {getattr(have, f)} (this run: {getattr(want, f)})" for f in fields
             if getattr(have, f) != getattr(want, f)]
     if diff:
@@ -297,6 +303,12 @@ def cli(
     draft_layers: int = typer.Option(1, "--draft-layers", help="Decoder layers in the draft: EAGLE-3 has one; "
                                      "later ones are plain Llama layers over the hidden state (vLLM and "
                                      "speculators serve them, SGLang does not). [default: 1]"),
+    fc_norm: bool = typer.Option(False, "--fc-norm", help="EAGLE-3.1: an RMSNorm on each aux layer's state before "
+                                 "fc, so a late layer's large values do not drown an early one's (vLLM and "
+                                 "speculators serve it; SGLang export is refused). [default: off]"),
+    norm_output: bool = typer.Option(False, "--norm-output", help="EAGLE-3.1: each training-time-test step reads the "
+                                     "previous step's final-normed hidden state, not the raw one (vLLM and "
+                                     "speculators serve it; SGLang export is refused). [default: off]"),
     ttt_steps: int = typer.Option(7, "--ttt-steps", help="Training-time-test steps. [default: 7]"),
     label_temperature: float = typer.Option(1.0, "--label-temperature", help="The draft learns softmax(target "
                                             "logits / T): 1 = the target's distribution (EAGLE-3), 0 = a one-hot on "
@@ -360,7 +372,8 @@ def cli(
     ids = parse_layer_ids(aux_layers)
     try:
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
-                  draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, aux_layer_ids=ids,
+                  draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, fc_norm=fc_norm,
+                  norm_output=norm_output, aux_layer_ids=ids,
                   resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, label_temperature=label_temperature,
                   epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,

@@ -129,7 +129,7 @@ class TTTModel(nn.Module):
         for j in range(S):
             emb = None if input_embeds is None else F.pad(input_embeds[:, 1 + j:], (0, 0, 0, 1 + j))
             hidden = draft(shift_left(input_ids, 1 + j), hidden, position_ids + j, attend, emb)  # [B, T, H]
-            outs.append(draft.norm(hidden).reshape(B * T, -1))
+            outs.append(draft.head_input(hidden).reshape(B * T, -1))
         target = TargetDist(target_probs, target_ids)
         if self.cfg.fused_loss:
             return fused_draft_ce(draft.lm_head.weight, outs, target, wvalid, self.cfg.loss_chunk_elems,
