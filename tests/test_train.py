@@ -368,6 +368,13 @@ def test_eagle31_switches_train_export_and_import(data, tmp_path):
         back = import_draft(tmp_path / fmt, target=str(target))
         assert back.config.fc_norm and back.config.norm_output
         assert all(torch.equal(a.weight, b.weight) for a, b in zip(back.fc_norm, draft.fc_norm, strict=True))
+    # a config that says fc_norm without the tensors is refused by name, not loaded with norms of 1
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "vllm" / "model.safetensors"
+    save_file({k: v for k, v in load_file(str(weights)).items() if not k.startswith("fc_norm.")}, str(weights))
+    with pytest.raises(EyasError, match="missing fc_norm.0.weight"):
+        import_draft(tmp_path / "vllm", target=str(target))
     with pytest.raises(EyasError, match="EAGLE-3.1 draft.*Export --format vllm or speculators"):
         export_draft(draft, tmp_path / "sglang", "sglang", ExportOptions(verifier=str(target)))
     with pytest.raises(EyasError, match="fc_norm False \\(this run: True\\)"):

@@ -170,11 +170,11 @@ def run_train(
                         f"optimizer step needs ({info.world} rank(s) x {cfg.grad_accum} accumulation). Lower "
                         "--token-budget or --grad-accum, or use more data")
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
-    # (num_hidden_layers only when > 1, EAGLE-3.1's switches only when on: other runs keep the fingerprint
-    # they had)
+    # Fields added to DraftConfig after runs existed count only when set away from their default, so
+    # those runs keep the fingerprint they had.
+    added_later = {"num_hidden_layers": 1, "fc_norm": False, "norm_output": False}
     draft_opts = {k: v for k, v in dcfg.to_dict().items()
-                  if k != "extra" and not (k == "num_hidden_layers" and v == 1)
-                  and not (k in ("fc_norm", "norm_output") and not v)}
+                  if k != "extra" and not (k in added_later and v == added_later[k])}
     options = {"source": source_id, "draft": draft_opts,
                "train": cfg.schedule_options(), "world": info.world, "kind": kind}
     if init is not None:  # (only then: runs without it keep the fingerprint they had)
