@@ -203,6 +203,23 @@ def test_hard_labels_change_the_loss_only_and_the_draft_learns(data, tmp_path):
         train(tmp_path / "neg", store, label_temperature=-1)
 
 
+def test_reply_start_weight_changes_the_updates_not_the_metrics(data, tmp_path):
+    """--reply-start-weight: the first step logs what the default's does (statistics are unweighted
+    cross-entropy and accuracy), the second does not (the first update differed); the two runs do
+    not resume each other's checkpoints, and weights <= 0 are refused."""
+    _, _, store = data
+    plain = train(tmp_path / "plain", store, max_steps=2, save_every=2)
+    early = train(tmp_path / "early", store, max_steps=2, save_every=2, reply_start_weight=4.0, reply_start_tokens=8)
+    assert early["options_sha256"] != plain["options_sha256"]
+    mp, me = metrics(tmp_path / "plain"), metrics(tmp_path / "early")
+    assert (mp[0]["loss"], mp[0]["acc"]) == (me[0]["loss"], me[0]["acc"])
+    assert mp[1]["loss"] != me[1]["loss"]
+    with pytest.raises(EyasError, match="other data or options"):
+        train(tmp_path / "early", store, max_steps=2, save_every=2, resume=True)
+    with pytest.raises(EyasError, match="--reply-start-weight must be > 0"):
+        train(tmp_path / "zero", store, reply_start_weight=0.0)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):
     """A run stopped after step 5 (last checkpoint at 4) and resumed logs exactly the losses of a

@@ -11,7 +11,7 @@ from eyas.model.attention import KVCache, TTTAttention
 from eyas.model.config import DraftConfig
 from eyas.model.draft import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids
-from eyas.train.loss import step_validity, target_distribution, tau_sim
+from eyas.train.loss import reply_start_weights, step_validity, target_distribution, tau_sim
 from eyas.train.ttt import TTTConfig, TTTModel, summarize
 
 V, V_D, H, K = 50, 30, 32, 3
@@ -52,19 +52,21 @@ def make_pack(doc_lengths: list[int], pad: int, seed: int = 1):
     return ids, mask, pos, docs, aux, final
 
 
-def fast_loss(draft, head, pack, steps, attention="math", fused=True, docs=True):
+def fast_loss(draft, head, pack, steps, attention="math", fused=True, docs=True, **ttt):
     ids, mask, pos, doc, aux, final = pack
     tgt = target_distribution(head, final, draft_to_target_ids(draft.d2t), target_to_draft_ids(draft.t2d),
                               pad_rows=steps + 1, chunk_elems=7 * V)  # small chunks: exercise chunking
-    model = TTTModel(draft, TTTConfig(steps=steps, attention=attention, fused_loss=fused, loss_chunk_elems=5 * V_D))
+    model = TTTModel(draft, TTTConfig(steps=steps, attention=attention, fused_loss=fused, loss_chunk_elems=5 * V_D,
+                                      **ttt))
     return model(ids[None], aux[None], pos[None], mask[None], tgt.probs, tgt.ids, doc[None] if docs else None)
 
 
-def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8):
+def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8, token_weights=None):
     """Inference replayed: for every document, a causal prefill with a KV cache gives step 0; then
     for every row t, the cache is cut to rows 0..t and the draft decodes `steps - 1` more tokens
     (the true ones) at positions t+1, t+2, ... Each prediction is scored against the target's
-    full-vocabulary softmax restricted to the draft vocabulary, computed here without chunks."""
+    full-vocabulary softmax restricted to the draft vocabulary, computed here without chunks, and
+    weighted by `token_weights[predicted token]` when given."""
     ids, mask, pos, doc, aux, final = pack
     vocab = draft_to_target_ids(draft.d2t)
     logits = head.logits(final)  # [N, V]
@@ -93,7 +95,8 @@ def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8):
                     continue
                 logq = torch.log_softmax(draft.logits(hidden)[0, 0], -1)
                 ce = -(probs[start + p] * logq).sum()
-                loss = loss + decay**j * ce
+                w = 1.0 if token_weights is None else token_weights[start + p + 1]
+                loss = loss + decay**j * w * ce
                 correct = float(logq.argmax() == t2d_index[logits[start + p].argmax()])
                 stats[j] += torch.tensor([ce.item(), correct, 1.0])
         start += L
@@ -145,6 +148,39 @@ def test_fused_loss_matches_plain_autograd_and_rows_are_independent():
         assert rel(out[True][2][name], g) < 1e-5, name
     alone = sum(fast_loss(draft, head, p, steps, docs=False)[0] for p in (a, b))
     assert rel(out[True][0], alone) < 1e-6
+
+
+def reply_start_token_weights(mask, docs, weight, tokens):
+    """Per token, the plain way: its index in its reply (run of trained tokens in one document)."""
+    out, run = [], 0
+    for q in range(len(mask)):
+        run = run + 1 if q > 0 and mask[q] and mask[q - 1] and docs[q] == docs[q - 1] else int(bool(mask[q]))
+        out.append(weight if mask[q] and run <= tokens else 1.0)
+    return out
+
+
+def test_reply_start_weights_weight_the_loss_of_early_reply_tokens_only():
+    """--reply-start-weight: the fast TTT loss equals the inference replay with each prediction
+    weighted by its token's place in its reply; the logged statistics stay unweighted."""
+    draft, head = make_setup(5)
+    lengths, steps, weight, tokens = [14, 11], 3, 3.0, 2
+    pack = make_pack(lengths, pad=4, seed=6)
+    mask, docs = pack[1], pack[3]
+    mask[10:17] = True  # a run of trained tokens across the document boundary at 14: two replies
+    ref_w = reply_start_token_weights(mask.tolist(), docs.tolist(), weight, tokens)
+    assert ref_w.count(weight) >= 6 and ref_w.count(1.0) >= 10, "the pack must hold early and late tokens"
+    w = reply_start_weights(mask, docs, steps, weight, tokens)
+    N = mask.numel()
+    for j in range(steps):  # step j at row t predicts token t + 2 + j
+        assert w[j].tolist() == [ref_w[t + 2 + j] if t + 2 + j < N else 1.0 for t in range(N)], j
+    loss, stats = fast_loss(draft, head, pack, steps, reply_start_weight=weight, reply_start_tokens=tokens)
+    ref_loss, ref_stats = reference_loss(draft, head, pack, lengths, steps, token_weights=ref_w)
+    plain_loss, plain_stats = fast_loss(draft, head, pack, steps)
+    assert rel(loss, ref_loss) < 1e-5 and rel(loss, plain_loss) > 0.05
+    assert torch.allclose(stats, ref_stats, rtol=1e-5, atol=1e-4) and torch.equal(stats, plain_stats)
+    g_fast, g_ref = grads(draft, loss), grads(draft, ref_loss)
+    for name in g_ref:
+        assert rel(g_fast[name], g_ref[name]) < 1e-4, name
 
 
 @pytest.mark.parametrize("layers", [1, 2])

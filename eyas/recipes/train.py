@@ -90,6 +90,9 @@ def run_train(
     if cfg.label_temperature < 0:
         raise EyasError(f"--label-temperature must be >= 0 (1 = the target's distribution, 0 = its argmax), "
                         f"got {cfg.label_temperature:g}")
+    if cfg.reply_start_weight <= 0 or cfg.reply_start_tokens < 1:
+        raise EyasError(f"--reply-start-weight must be > 0 and --reply-start-tokens >= 1, got "
+                        f"{cfg.reply_start_weight:g} and {cfg.reply_start_tokens}")
     if draft_intermediate_size < 0:
         raise EyasError(f"--draft-intermediate-size must be >= 0 (0 = the target's), got {draft_intermediate_size}")
     if draft_layers < 1:
@@ -316,6 +319,12 @@ def cli(
                                             "its argmax, the token greedy verification accepts. On SmolLM2, 0 "
                                             "matched the target's greedy replies 3-5% less often than 1 "
                                             "(docs/benchmarks.md). [default: 1]"),
+    reply_start_weight: float = typer.Option(1.0, "--reply-start-weight", help="Loss weight of the first "
+                                             "--reply-start-tokens tokens of every reply (1 = all alike, EAGLE-3). "
+                                             "A greedy chain stops at its first miss, and misses crowd at reply "
+                                             "starts. [default: 1]"),
+    reply_start_tokens: int = typer.Option(64, "--reply-start-tokens", help="How many tokens of a reply "
+                                           "--reply-start-weight covers. [default: 64]"),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the data. [default: 1]"),
     max_steps: int = typer.Option(0, "--max-steps", help="Optimizer steps; overrides --epochs when > 0. [default: 0]"),
     lr: float = typer.Option(1e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine to 10%). "
@@ -376,6 +385,7 @@ def cli(
                   draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, fc_norm=fc_norm,
                   norm_output=norm_output, aux_layer_ids=ids,
                   resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, label_temperature=label_temperature,
+                  reply_start_weight=reply_start_weight, reply_start_tokens=reply_start_tokens,
                   epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
                   save_every=save_every, max_time=max_time, val_samples=val_samples, val_every=val_every, dtype=dtype, fsdp=fsdp, attention=attention,

@@ -87,6 +87,25 @@ def step_validity(loss_mask: torch.Tensor, document_ids: torch.Tensor, target_id
     return torch.stack(out)
 
 
+def reply_start_weights(loss_mask: torch.Tensor, document_ids: torch.Tensor, steps: int, weight: float,
+                        tokens: int) -> torch.Tensor:
+    """[steps, N] fp32: the loss weight of what each TTT step predicts at each row: `weight` when the
+    predicted token (row t + 2 + j at step j) is among the first `tokens` of its reply (a run of
+    trained tokens inside one document), else 1. Pure tensor ops: no host sync.
+
+    Why: a greedy chain stops at its first miss, and misses crowd at the start of replies, where the
+    target itself is least sure; the loss otherwise spends most of its weight on long replies' tails."""
+    N = loss_mask.shape[0]
+    lm, doc = loss_mask.bool(), document_ids.long()
+    idx = torch.arange(N, device=lm.device)
+    starts = lm.clone()
+    starts[1:] &= ~(lm[:-1] & (doc[1:] == doc[:-1]))  # first token of each reply
+    run_start = torch.where(starts, idx, 0).cummax(0).values
+    early = lm & (idx - run_start < tokens)  # [N]
+    w = 1.0 + (weight - 1.0) * torch.nn.functional.pad(early.float(), (0, steps + 2))  # [N + steps + 2]
+    return torch.stack([w[2 + j:N + 2 + j] for j in range(steps)])
+
+
 def tau_sim(acc: list[float]) -> float:
     """Simulated acceptance length 1 + sum_k prod_{i<=k} acc_i from per-step accuracies."""
     tau, run = 1.0, 1.0

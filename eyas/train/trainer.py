@@ -52,6 +52,8 @@ class TrainConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     label_temperature: float = 1.0  # labels softmax(target logits / T); 0 = one-hot on the target's argmax
+    reply_start_weight: float = 1.0  # loss weight of each reply's first reply_start_tokens tokens
+    reply_start_tokens: int = 64
     lr: float = 1e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_ratio: float = 0.015
@@ -93,8 +95,11 @@ class TrainConfig:
         """Options a resumed run must share with the run it continues (else the curve differs)."""
         keep = ("ttt_steps", "ttt_decay", "lr", "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay",
                 "betas", "grad_clip", "token_budget", "grad_accum", "epochs", "max_steps", "seed", "dtype")
-        if self.label_temperature != 1.0:  # (only then: runs without it keep the fingerprint they had)
+        # options added after runs existed join the fingerprint only when set, so those runs keep theirs
+        if self.label_temperature != 1.0:
             keep += ("label_temperature",)
+        if self.reply_start_weight != 1.0:
+            keep += ("reply_start_weight", "reply_start_tokens")
         d = asdict(self)
         return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in keep}
 
@@ -174,7 +179,8 @@ class Trainer:
             draft.embed_tokens = None
         draft = draft.to(dev)
         self.draft = draft
-        ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention, compile=compile_)
+        ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention, compile=compile_,
+                            reply_start_weight=cfg.reply_start_weight, reply_start_tokens=cfg.reply_start_tokens)
         model = TTTModel(draft, ttt_cfg)
         self.weights = model.weights
         trainable = [p for p in draft.parameters() if p.requires_grad]

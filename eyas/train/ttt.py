@@ -10,9 +10,9 @@ One packed row of N tokens (several documents side by side, `document_ids` telli
 
 The target distribution is computed once per batch (eyas.train.loss.target_distribution) and
 shifted by one row per step; the loss is the step-weighted (0.8^j) soft cross-entropy, summed over
-valid rows. The caller divides by the number of valid step-0 rows of the whole global batch
-(eyas.train.trainer), so the loss of a batch does not depend on how it is split over micro-batches
-and ranks.
+valid rows (optionally weighted up at the start of each reply: eyas.train.loss.reply_start_weights).
+The caller divides by the number of valid step-0 rows of the whole global batch (eyas.train.trainer),
+so the loss of a batch does not depend on how it is split over micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from eyas.train.loss import (
     TargetDist,
     fused_draft_ce,
     reference_draft_ce,
+    reply_start_weights,
     step_validity,
     step_weights,
     tau_sim,
@@ -45,6 +46,8 @@ class TTTConfig:
     compile: bool = False  # torch.compile the layer's two halves and the loss chunk (CUDA)
     loss_chunk_elems: int = 1 << 25  # draft logits computed this many elements at a time
     fused_loss: bool = True  # False: plain autograd over full logits (reference, tests)
+    reply_start_weight: float = 1.0  # loss weight of a reply's first `reply_start_tokens` tokens (1 = EAGLE-3's)
+    reply_start_tokens: int = 64
 
 
 class _CompiledOrEager:
@@ -123,6 +126,9 @@ class TTTModel(nn.Module):
             docs = torch.arange(B, device=input_ids.device)[:, None].expand(B, T)
         valid = step_validity(loss_mask.reshape(-1), docs.reshape(-1), target_ids, S)  # [S, B*T]
         wvalid = valid.float() * self._step_weights(input_ids.device)[:, None]
+        if self.cfg.reply_start_weight != 1.0:
+            wvalid = wvalid * reply_start_weights(loss_mask.reshape(-1), docs.reshape(-1), S,
+                                                  self.cfg.reply_start_weight, self.cfg.reply_start_tokens)
         attend = TTTAttention(self.cfg.attention, document_ids=document_ids, block_mask=block_mask)
         hidden = draft.fuse(aux_hidden)  # [B, T, H]
         outs = []
