@@ -14,8 +14,10 @@ from rich.console import Console
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
+from eyas.data.chat import ChatEncoder
 from eyas.data.prepared import PreparedDataset
-from eyas.recipes.prepare import PrepareConfig, prepare, show_samples
+from eyas.data.readers import Row
+from eyas.recipes.prepare import PrepareConfig, _encoded_chunks, prepare, show_samples
 from eyas.utils.io import EyasError
 
 EOT = "<|im_end|>"
@@ -95,6 +97,23 @@ def test_workers_give_identical_output_and_max_samples_is_exact(tmp_path, chat_f
     ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (one, two))
     assert ma["num_samples"] == mb["num_samples"] == 25
     assert ma["skipped"] == mb["skipped"] == {"not_json": 1, "unknown_role": 1}  # row 30 is past the cut
+
+
+def test_an_early_stop_lets_the_workers_finish_their_chunks_and_exit(tok):
+    """--max-samples closes the chunk stream with chunks in flight. Killing the workers then (Pool.terminate)
+    could deadlock for good; they must instead finish what they hold and exit on their own (exit code 0)."""
+    import multiprocessing as mp
+
+    rows = [Row(f"chat.jsonl:{i + 1}", conv(i, 2)["messages"]) for i in range(24)]
+    chunks = (rows[i : i + 3] for i in range(0, len(rows), 3))
+    stream = _encoded_chunks(chunks, ChatEncoder(tok), 2)
+    first = next(stream)  # 4 chunks are in flight now
+    assert [o[0] for o in first.outcomes] == ["ok"] * 3
+    workers = mp.active_children()
+    assert len(workers) == 2
+    stream.close()
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert mp.active_children() == []
 
 
 def test_reuse_and_rebuild(tmp_path, chat_file):

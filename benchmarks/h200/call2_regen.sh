@@ -2,7 +2,8 @@
 # shapes), rewrite ShareGPT with the target (greedy) until DEADLINE seconds into the call, prepare it.
 # Run it again to resume an unfinished rewrite.   DEADLINE=540 SAMPLES=0 bash benchmarks/h200/call2_regen.sh
 # Each call brings the rewrite back in $OUT (xz, 15 MB parts: finished batches while cut, the file once
-# complete); put those files in BUNDLE/c and carry it too, and the next machine resumes from them.
+# complete); put those files in BUNDLE/c (inside the repository, so later sessions keep them too; the
+# rewrite's parts replace the partial ones) and carry it too, and the next machine resumes from them.
 # A second, sampled rewrite afterwards (one at a time: two decoders sharing the GPU are slower), then
 # prepare every rewrite there is, finished or cut:   TEMP=0.8 SEED=1 PREPARE=1 DEADLINE=300 bash ...
 # PREP_ARGS adds options to that prepare, e.g. PREP_ARGS="--trim-loops 32".
@@ -17,7 +18,8 @@ fi
 [ -f "$W/users.jsonl" ] || xz -dc "$W/sharegpt_users.jsonl.xz" > "$W/users.jsonl"
 "$PY" -c "from eyas.assets import smollm2_dir; print(smollm2_dir())" || exit 1
 if [ ! -d "$W/warm" ] && [ -z "${NO_WARMUP:-}" ]; then  # placeholder replies: only the shapes matter
-  eyas prepare "$W/users.jsonl" --max-samples 400 --out "$W/warm_prep" --max-length 2048 > "$W/warm.log" 2>&1
+  timeout 120 "$PY" -m eyas.cli prepare "$W/users.jsonl" --max-samples 400 --out "$W/warm_prep" --max-length 2048 \
+    > "$W/warm.log" 2>&1  # a bound, as the device time is: this once hung a whole call (since fixed)
   setsid nohup "$PY" -m eyas.cli train --prepared "$W/warm_prep" --online --model smollm2 --out "$W/warm" \
     --max-steps 4 --max-time 0.001 --lr 0.0005 $EXTRA_TRAIN >> "$W/warm.log" 2>&1 &
 fi

@@ -171,14 +171,28 @@ def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_worke
             os.environ.pop("TOKENIZERS_PARALLELISM")
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
-    with pool:
-        pending: deque = deque()
+    pending: deque = deque()
+    interrupted = False
+    try:
         for c in chunks:
             pending.append(pool.apply_async(encode_rows, (c,)))
             if len(pending) >= 2 * num_workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+    except KeyboardInterrupt:  # the workers got it too: the chunks in flight will never finish
+        interrupted = True
+        pool.terminate()
+        raise
+    finally:
+        # Done, closed early (--max-samples) or a chunk failed: let the chunks in flight finish before
+        # the workers stop. Pool.terminate() while a task is still being sent, or a result written, can
+        # deadlock for good (seen: `eyas prepare --max-samples 400 --num-workers 16` hung 1 run in ~20).
+        if not interrupted:
+            for r in pending:
+                r.wait()
+            pool.close()
+            pool.join()
 
 
 def _rows(sources: list[Source]) -> Iterator[Row]:
