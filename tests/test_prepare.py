@@ -107,7 +107,7 @@ def test_an_early_stop_lets_the_workers_finish_their_chunks_and_exit(tok):
     rows = [Row(f"chat.jsonl:{i + 1}", conv(i, 2)["messages"]) for i in range(24)]
     chunks = (rows[i : i + 3] for i in range(0, len(rows), 3))
     stream = _encoded_chunks(chunks, ChatEncoder(tok), 2)
-    first = next(stream)  # 4 chunks are in flight now
+    first = next(stream)  # 3 more chunks are in flight now
     assert [o[0] for o in first.outcomes] == ["ok"] * 3
     workers = mp.active_children()
     assert len(workers) == 2

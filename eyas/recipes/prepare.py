@@ -187,7 +187,7 @@ def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_worke
     finally:
         # Done, closed early (--max-samples) or a chunk failed: let the chunks in flight finish before
         # the workers stop. Pool.terminate() while a task is still being sent, or a result written, can
-        # deadlock for good (seen: `eyas prepare --max-samples 400 --num-workers 16` hung 1 run in ~20).
+        # deadlock for good (seen: `eyas prepare --max-samples 400 --num-workers 16` hung 2 runs of 27).
         if not interrupted:
             for r in pending:
                 r.wait()
