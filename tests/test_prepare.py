@@ -116,6 +116,26 @@ def test_an_early_stop_lets_the_workers_finish_their_chunks_and_exit(tok):
     assert mp.active_children() == []
 
 
+def test_ctrl_c_is_left_to_the_parent_so_the_workers_still_finish_and_exit(tok):
+    """Ctrl-C reaches the workers too. Were they to die of it mid-chunk, that chunk would never finish and
+    the parent's orderly stop would wait for it forever: they ignore it, and the parent stops them."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    rows = [Row(f"chat.jsonl:{i + 1}", conv(i, 2)["messages"]) for i in range(24)]
+    stream = _encoded_chunks((rows[i : i + 3] for i in range(0, len(rows), 3)), ChatEncoder(tok), 2)
+    next(stream)
+    workers = mp.active_children()
+    time.sleep(1.0)  # the chunks in flight are done: a worker that dies of SIGINT now leaves nothing unfinished
+    for w in workers:
+        os.kill(w.pid, signal.SIGINT)
+    stream.close()
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert mp.active_children() == []
+
+
 def test_reuse_and_rebuild(tmp_path, chat_file):
     cfg = PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "p", max_length=512, num_workers=1)
     prepare(cfg)

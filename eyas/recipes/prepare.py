@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -110,6 +111,7 @@ _ENCODER: ChatEncoder | None = None
 def _init_worker(encoder: ChatEncoder) -> None:
     global _ENCODER
     _ENCODER = encoder
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: a chunk cut short never finishes
 
 
 @dataclass
@@ -172,7 +174,6 @@ def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_worke
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
     pending: deque = deque()
-    interrupted = False
     try:
         for c in chunks:
             pending.append(pool.apply_async(encode_rows, (c,)))
@@ -180,19 +181,14 @@ def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_worke
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-    except KeyboardInterrupt:  # the workers got it too: the chunks in flight will never finish
-        interrupted = True
-        pool.terminate()
-        raise
     finally:
-        # Done, closed early (--max-samples) or a chunk failed: let the chunks in flight finish before
-        # the workers stop. Pool.terminate() while a task is still being sent, or a result written, can
+        # Done, closed early (--max-samples), a chunk failed or Ctrl-C: the workers finish the chunks in
+        # flight, then exit. Pool.terminate() while a task is still being sent, or a result written, can
         # deadlock for good (seen: `eyas prepare --max-samples 400 --num-workers 16` hung 2 runs of 27).
-        if not interrupted:
-            for r in pending:
-                r.wait()
-            pool.close()
-            pool.join()
+        for r in pending:
+            r.wait()
+        pool.close()
+        pool.join()
 
 
 def _rows(sources: list[Source]) -> Iterator[Row]:
