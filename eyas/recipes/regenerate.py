@@ -425,7 +425,7 @@ def run_regenerate(
     """Rewrite the assistant turns of `inputs` into `out` (JSONL). `model` may be a loaded model (with
     `tokenizer`); `on_batch(b)` runs after batch b is saved (tests use it to simulate a crash).
 
-    Work is saved in batches of `batch_size` conversations (0: 256 on a GPU, 32 on a CPU); engine
+    Work is saved in batches of `batch_size` conversations (0: 1024 on a GPU, 32 on a CPU); engine
     "continuous" keeps `window` conversations in flight across batch boundaries; engine "static" gives its
     KV caches `kv_cache_gb` GiB (0: 60% of the free GPU memory). Past `max_time` seconds (0: no limit) the
     batches finished so far are written to `out`, marked incomplete, and the same call resumes the rest."""
