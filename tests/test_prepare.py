@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing as mp
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -99,17 +103,20 @@ def test_workers_give_identical_output_and_max_samples_is_exact(tmp_path, chat_f
     assert ma["skipped"] == mb["skipped"] == {"not_json": 1, "unknown_role": 1}  # row 30 is past the cut
 
 
+def _two_workers_past_their_first_chunk(tok):
+    """A two-worker stream over 8 chunks of 3 real conversations, read up to its first chunk (3 more are in
+    flight then): the stream, that chunk and the workers."""
+    rows = [Row(f"chat.jsonl:{i + 1}", conv(i, 2)["messages"]) for i in range(24)]
+    stream = _encoded_chunks((rows[i : i + 3] for i in range(0, len(rows), 3)), ChatEncoder(tok), 2)
+    first = next(stream)
+    return stream, first, mp.active_children()
+
+
 def test_an_early_stop_lets_the_workers_finish_their_chunks_and_exit(tok):
     """--max-samples closes the chunk stream with chunks in flight. Killing the workers then (Pool.terminate)
     could deadlock for good; they must instead finish what they hold and exit on their own (exit code 0)."""
-    import multiprocessing as mp
-
-    rows = [Row(f"chat.jsonl:{i + 1}", conv(i, 2)["messages"]) for i in range(24)]
-    chunks = (rows[i : i + 3] for i in range(0, len(rows), 3))
-    stream = _encoded_chunks(chunks, ChatEncoder(tok), 2)
-    first = next(stream)  # 3 more chunks are in flight now
+    stream, first, workers = _two_workers_past_their_first_chunk(tok)
     assert [o[0] for o in first.outcomes] == ["ok"] * 3
-    workers = mp.active_children()
     assert len(workers) == 2
     stream.close()
     assert [w.exitcode for w in workers] == [0, 0]
@@ -119,15 +126,7 @@ def test_an_early_stop_lets_the_workers_finish_their_chunks_and_exit(tok):
 def test_ctrl_c_is_left_to_the_parent_so_the_workers_still_finish_and_exit(tok):
     """Ctrl-C reaches the workers too. Were they to die of it mid-chunk, that chunk would never finish and
     the parent's orderly stop would wait for it forever: they ignore it, and the parent stops them."""
-    import multiprocessing as mp
-    import os
-    import signal
-    import time
-
-    rows = [Row(f"chat.jsonl:{i + 1}", conv(i, 2)["messages"]) for i in range(24)]
-    stream = _encoded_chunks((rows[i : i + 3] for i in range(0, len(rows), 3)), ChatEncoder(tok), 2)
-    next(stream)
-    workers = mp.active_children()
+    stream, _, workers = _two_workers_past_their_first_chunk(tok)
     time.sleep(1.0)  # the chunks in flight are done: a worker that dies of SIGINT now leaves nothing unfinished
     for w in workers:
         os.kill(w.pid, signal.SIGINT)
