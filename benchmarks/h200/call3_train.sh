@@ -3,14 +3,16 @@
 # parts (benchmarks/h200/draft_parts.py), so a lost machine costs only the steps since the last call.
 #   DEADLINE=540 STEPS=5000 bash benchmarks/h200/call3_train.sh
 # PACK=0 brings nothing back: chained right after call 2, whose rewrite needs the call's 8 files.
-# INIT=init_parts starts from the draft whose parts call 1 stashed in $W/init_parts (a fresh schedule).
+# INIT=init_parts starts from the draft whose parts call 1 stashed in $W/init_parts (a fresh schedule);
+# later calls on the same machine go on from it without INIT.
 source benchmarks/h200/env.sh
 DEADLINE=${DEADLINE:-540}
-if [ -n "${INIT:-}" ]; then
-  [ -d "$W/init" ] || { rm -rf "$W/init.tmp" && "$PY" benchmarks/h200/draft_parts.py unpack "$W/$INIT" "$W/init.tmp" \
+if [ -n "${INIT:-}" ] && [ ! -d "$W/init" ]; then
+  { rm -rf "$W/init.tmp" && "$PY" benchmarks/h200/draft_parts.py unpack "$W/$INIT" "$W/init.tmp" \
     && mv "$W/init.tmp" "$W/init"; } || exit 1
-  EXTRA_TRAIN="$EXTRA_TRAIN --init-draft $W/init"
 fi
+# every call, not only the first: --resume needs the options the run started with
+[ -d "$W/init" ] && EXTRA_TRAIN="$EXTRA_TRAIN --init-draft $W/init"
 training() { pgrep -f "eyas.cli train --prepared $W/prepared" > /dev/null; }
 if ! training && ! grep -qs "draft saved" "$W/train.log"; then
   setsid nohup "$PY" -m eyas.cli train --prepared "$W/prepared" --online --model smollm2 --out "$W/train" \
