@@ -322,6 +322,40 @@ def test_init_draft_starts_from_its_weights_and_vocabulary(data, tmp_path):
         train(tmp_path / "bad", store, max_steps=1, init_draft=tmp_path / "other")
 
 
+def test_init_head_starts_the_lm_head_as_the_targets_head(data, tmp_path):
+    """--init-head: before any update the draft's logits over its vocabulary are the target's own logits
+    of the same hidden state (the target's final norm folded into lm_head); the option changes the run's
+    fingerprint, and together with --init-draft it is refused."""
+    import dataclasses
+
+    from eyas.model.vocab import draft_to_target_ids
+
+    _, _, store = data
+    plain = train(tmp_path / "plain", store, max_steps=1, lr=0.0)
+    run = train(tmp_path / "head", store, max_steps=1, lr=0.0, init_head=True)
+    assert run["options_sha256"] != plain["options_sha256"]
+    draft = Eagle3Draft.from_pretrained(tmp_path / "head" / "draft")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, draft.config.hidden_size, generator=g) * 3
+
+    def rel_err(head):
+        want = head.logits(h)[:, draft_to_target_ids(draft.d2t)]
+        return ((draft.logits(h) - want).norm() / want.norm()).item()
+
+    head = HiddenStore(store).target_head()
+    assert rel_err(head) < 1e-5
+    fresh = draft.lm_head.weight.clone()
+    draft.lm_head.weight.data = Eagle3Draft.from_pretrained(tmp_path / "plain" / "draft").lm_head.weight
+    assert rel_err(head) > 0.5
+    # a target whose final norm is not all ones, Gemma-style (1 + w): folded into lm_head, norm left at ones
+    gemma = dataclasses.replace(head, norm_weight=torch.rand(head.hidden_size, generator=g), norm_offset=1.0,
+                                lm_head=torch.randn(head.lm_head.shape, generator=g))
+    draft.init_lm_head_from_target(gemma.lm_head, gemma.norm_weight, gemma.norm_offset)
+    assert rel_err(gemma) < 1e-5 and rel_err(head) > 0.5 and not torch.equal(draft.lm_head.weight, fresh)
+    with pytest.raises(EyasError, match="--init-head starts a fresh draft"):
+        train(tmp_path / "both", store, max_steps=1, init_head=True, init_draft=tmp_path / "plain" / "draft")
+
+
 def test_draft_intermediate_size_widens_the_mlp_through_export(data, tmp_path):
     """--draft-intermediate-size: the trained draft's MLP has that width, every export format says so and
     imports back to it, and it learns; --init-draft of the target's width is refused by name."""

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eyas.model.config import DraftConfig
+from eyas.model.vocab import draft_to_target_ids
 from eyas.utils.io import EyasError, atomic_path
 
 # attend(q [B, nh, T, hd], k [B, nkv, T, hd], v [B, nkv, T, hd]) -> [B, nh, T, hd]
@@ -227,6 +228,23 @@ class Eagle3Draft(nn.Module):
                             f"with draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+
+    def init_lm_head_from_target(self, lm_head: torch.Tensor, norm_weight: torch.Tensor,
+                                 norm_offset: float = 0.0) -> None:
+        """Start lm_head as the target's own head over the draft vocabulary, the target's final-norm
+        weight folded in (the draft's norm starts at ones): a draft output equal to the target's last
+        hidden state then gives the target's logits. lm_head [V, H], norm_weight [H]; call after set_vocab.
+
+        Why: lm_head is most of a small target's draft (18M of SmolLM2's 31M trainable parameters);
+        from random it first has to learn what the target's head already knows."""
+        if tuple(lm_head.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise EyasError(f"target lm_head {tuple(lm_head.shape)} does not match the draft's vocabulary and width "
+                            f"({self.config.vocab_size}, {self.config.hidden_size})")
+        rows = draft_to_target_ids(self.d2t.cpu())  # [V_d] target ids
+        folded = lm_head.detach().cpu().float()[rows] * (norm_weight.detach().cpu().float() + norm_offset)[None]
+        with torch.no_grad():
+            self.lm_head.weight.copy_(folded)
+            self.norm.weight.fill_(1.0)
 
     def load_target_embedding(self, embed_tokens: torch.Tensor, embed_scale: float = 1.0) -> None:
         if tuple(embed_tokens.shape) != tuple(self.embed_tokens.weight.shape):

@@ -47,6 +47,7 @@ def run_train(
     target_dtype: str = "auto",
     resume: bool = False,
     init_draft: str | os.PathLike | None = None,
+    init_head: bool = False,
     stop_after: int = 0,
     engine_obj: Any = None,
     log: Any = None,
@@ -54,7 +55,8 @@ def run_train(
 ) -> dict[str, Any]:
     """Train and write OUT/draft. `train_options` are eyas.train.trainer.TrainConfig fields.
     `init_draft`: start from that draft's weights and vocabulary (any layout eyas imports) instead of
-    fresh ones; `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
+    fresh ones; `init_head`: a fresh draft's lm_head starts as the target's head over the draft vocabulary;
+    `stop_after` ends the run after that many optimizer steps as if it were killed (tests);
     `engine_obj` is an already built target engine for online training; `draft_intermediate_size` widens
     (or narrows) the draft's MLP, 0 = the target's; `draft_layers` is its number of decoder layers;
     `fc_norm` and `norm_output` are EAGLE-3.1's switches (eyas.model.draft)."""
@@ -97,6 +99,9 @@ def run_train(
         raise EyasError(f"--draft-intermediate-size must be >= 0 (0 = the target's), got {draft_intermediate_size}")
     if draft_layers < 1:
         raise EyasError(f"--draft-layers must be >= 1, got {draft_layers}")
+    if init_head and init_draft is not None:
+        raise EyasError("--init-head starts a fresh draft's lm_head from the target's; --init-draft brings a trained "
+                        "lm_head already: drop one of them")
     out = Path(out)
     info = D.init_distributed(cfg.device)
     say = log or (lambda msg: typer.echo(msg, err=True) if info.is_main else None)
@@ -182,6 +187,8 @@ def run_train(
                "train": cfg.schedule_options(), "world": info.world, "kind": kind}
     if init is not None:  # (only then: runs without it keep the fingerprint they had)
         options["init"] = fingerprint_path(init_draft)
+    if init_head:  # (likewise)
+        options["init_head"] = True
     if cfg.val_samples:  # (likewise)
         options["val_samples"] = cfg.val_samples
     options_sha = sha256_json(options)
@@ -196,6 +203,8 @@ def run_train(
         draft.load_state_dict(init.state_dict())
     else:
         draft.set_vocab(*build_draft_vocab(token_counts(counts_path, kind, dcfg.vocab_size), dcfg.draft_vocab_size))
+        if init_head:
+            draft.init_lm_head_from_target(head.lm_head, head.norm_weight, head.norm_offset)
     draft.load_target_embedding(head.embed_tokens, head.embed_scale)
     trainer = Trainer(cfg, draft, head, info, total)
     del head  # the trainer keeps what it needs on the device
@@ -348,6 +357,9 @@ def cli(
                                     "(eyas, vLLM, speculators, SpecForge or EAGLE layout; same target and aux "
                                     "layers) with a fresh optimizer and schedule: fine-tune a draft on new data, or "
                                     "keep training one across machines. [default: none]"),
+    init_head: bool = typer.Option(False, "--init-head", help="Start a fresh draft's lm_head from the target's own "
+                                   "head (its rows for the draft vocabulary, the final norm folded in) instead of "
+                                   "random weights, as speculators does. [default: off]"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp32. [default: auto]"),
     fsdp: bool = typer.Option(False, "--fsdp", help="Shard the draft and optimizer with FSDP2 under torchrun "
                               "(default: DDP). [default: off]"),
@@ -385,7 +397,7 @@ def cli(
         run_train(out, store=store, prepared=prepared, online=online, model=model, draft_vocab_size=draft_vocab_size,
                   draft_intermediate_size=draft_intermediate_size, draft_layers=draft_layers, fc_norm=fc_norm,
                   norm_output=norm_output, aux_layer_ids=ids,
-                  resume=resume, init_draft=init_draft, ttt_steps=ttt_steps, label_temperature=label_temperature,
+                  resume=resume, init_draft=init_draft, init_head=init_head, ttt_steps=ttt_steps, label_temperature=label_temperature,
                   reply_start_weight=reply_start_weight, reply_start_tokens=reply_start_tokens,
                   epochs=epochs, max_steps=max_steps, lr=lr,
                   warmup_ratio=warmup_ratio, token_budget=token_budget, grad_accum=grad_accum, grad_clip=grad_clip,
