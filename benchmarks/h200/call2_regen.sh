@@ -2,7 +2,7 @@
 # shapes), rewrite ShareGPT with the target (greedy) until DEADLINE seconds into the call, prepare it.
 # Run it again to resume an unfinished rewrite.   DEADLINE=540 SAMPLES=0 bash benchmarks/h200/call2_regen.sh
 # Each call brings the rewrite back in $OUT (xz, 15 MB parts: finished batches while cut, the file once
-# complete); put those files in BUNDLE/c (inside the repository, so later sessions keep them too; the
+# complete); put those files in BUNDLE/c (git-ignored: kept only as long as this checkout is; the
 # rewrite's parts replace the partial ones) and carry it too, and the next machine resumes from them.
 # A second, sampled rewrite afterwards (one at a time: two decoders sharing the GPU are slower), then
 # prepare every rewrite there is, finished or cut:   TEMP=0.8 SEED=1 PREPARE=1 DEADLINE=300 bash ...
