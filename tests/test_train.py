@@ -344,14 +344,14 @@ def test_init_head_starts_the_lm_head_as_the_targets_head(data, tmp_path):
 
     head = HiddenStore(store).target_head()
     assert rel_err(head) < 1e-5
-    fresh = draft.lm_head.weight.clone()
+    from_target = draft.lm_head.weight.clone()
     draft.lm_head.weight.data = Eagle3Draft.from_pretrained(tmp_path / "plain" / "draft").lm_head.weight
     assert rel_err(head) > 0.5
     # a target whose final norm is not all ones, Gemma-style (1 + w): folded into lm_head, norm left at ones
     gemma = dataclasses.replace(head, norm_weight=torch.rand(head.hidden_size, generator=g), norm_offset=1.0,
                                 lm_head=torch.randn(head.lm_head.shape, generator=g))
     draft.init_lm_head_from_target(gemma.lm_head, gemma.norm_weight, gemma.norm_offset)
-    assert rel_err(gemma) < 1e-5 and rel_err(head) > 0.5 and not torch.equal(draft.lm_head.weight, fresh)
+    assert rel_err(gemma) < 1e-5 and rel_err(head) > 0.5 and not torch.equal(draft.lm_head.weight, from_target)
     with pytest.raises(EyasError, match="--init-head starts a fresh draft"):
         train(tmp_path / "both", store, max_steps=1, init_head=True, init_draft=tmp_path / "plain" / "draft")
 
