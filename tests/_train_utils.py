@@ -55,3 +55,16 @@ def make_store(root: Path, n: int = 160) -> tuple[Path, Path, Path]:
         run_extract(prepared, store, model=str(target), engine="hf", aux_layer_ids=AUX, dtype="float32",
                     device="cpu", token_budget=4096)
     return target, prepared, store
+
+
+def first_reply_openings(mask: list[bool], docs: list[int], tokens: int) -> list[bool]:
+    """The plain way: is each token among the first `tokens` of its document's first reply (a run of
+    trained tokens inside one document)?"""
+    out, replies, run = [], {}, 0
+    for q, (m, d) in enumerate(zip(mask, docs, strict=True)):
+        if m and (q == 0 or not mask[q - 1] or docs[q - 1] != d):
+            replies[d], run = replies.get(d, 0) + 1, 0
+        elif m:
+            run += 1
+        out.append(bool(m) and replies.get(d) == 1 and run < tokens)
+    return out

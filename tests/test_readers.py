@@ -86,16 +86,18 @@ def test_every_bad_row_kind_is_skipped_and_counted_with_file_and_line(tmp_path):
         sharegpt("", ""),                                                          # 8 empty
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},      # 9 bad_shape
         sharegpt("q2", "a2"),                                                      # 10 ok
+        {"messages": None},                                                        # 11 bad_shape
     ])  # fmt: skip
     log = SkipLog()
     convs = read_conversations(path, log)
     assert len(convs) == 2
-    assert dict(log.counts) == {"not_json": 1, "unknown_role": 1, "empty": 2, "not_utf8": 1, "bad_shape": 2,
+    assert dict(log.counts) == {"not_json": 1, "unknown_role": 1, "empty": 2, "not_utf8": 1, "bad_shape": 3,
                                 "no_assistant": 1}  # fmt: skip
     assert log.examples["not_json"][0].startswith(f"{path}:2: ")
     assert log.examples["unknown_role"][0].startswith(f"{path}:3: ") and "wizard" in log.examples["unknown_role"][0]
     assert [e.split(": ")[0] for e in log.examples["empty"]] == [f"{path}:4", f"{path}:8"]
     assert log.examples["not_utf8"][0].startswith(f"{path}:5: ")
+    assert f"{path}:11: 'messages' is null" in log.examples["bad_shape"][-1]
     assert any("wizard" in line for line in log.lines())
 
 

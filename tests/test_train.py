@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from _train_utils import AUX, make_store
+from _train_utils import AUX, first_reply_openings, make_store
 
 from eyas.engines.hf import HFEngine
 from eyas.export.formats import import_draft
@@ -120,6 +120,34 @@ def test_offline_and_online_give_the_same_loss(data):
     assert torch.equal(off_host.draft_state()["embed_tokens.weight"], head.embed_tokens.float())
 
 
+def test_held_out_opening_is_the_figure_of_first_replies_starts(data):
+    """Trainer.evaluate's "opening": the plain evaluation of the same packs with the loss mask cut, by a
+    plain loop, to each document's first reply's first tokens; the overall figure stays as it was."""
+    target, _, store = data
+    st = HiddenStore(store)
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target_config(AutoConfig.from_pretrained(target), AUX, 48))
+    head = st.target_head()
+    draft.load_target_embedding(head.embed_tokens)
+    draft.set_vocab(*build_draft_vocab(torch.arange(64), 48))
+    trainer = Trainer(TrainConfig(ttt_steps=3), draft, head, DistInfo(), 10)
+    ds = PackDataset(SampleSource(store, "store"), Plan(st.lengths, 256, 0, 1, 1).packs(0)[:3], 256, None, states=True)
+    batches = [ds[k] for k in range(3)]
+    first = batches[0]["document_ids"] == batches[0]["document_ids"][0]
+    batches[0]["loss_mask"][first.nonzero()[-4]] = False  # its first document now has two replies
+    m = trainer.evaluate(batches, opening_tokens=6)
+    cut = [{**b, "loss_mask": torch.tensor(first_reply_openings(b["loss_mask"].tolist(), b["document_ids"].tolist(), 6))}
+           for b in batches]
+    ref = trainer.evaluate(cut, opening_tokens=0)
+    assert "opening" not in ref and m["opening"]["valid_tokens"] == ref["valid_tokens"] > 0
+    assert m["opening"]["acc"] == pytest.approx(ref["acc"], abs=1e-6)
+    assert m["opening"]["tau_sim"] == pytest.approx(ref["tau_sim"], abs=1e-6)
+    assert ref["valid_tokens"] < m["valid_tokens"] / 2  # the starts only
+    assert m["acc"] == trainer.evaluate(batches, opening_tokens=0)["acc"]
+
+
 def test_tiny_draft_learns_tiny_target(data, tmp_path):
     """300 steps (~10 s): step-0 accuracy far above chance (1/48) and the majority-token baseline."""
     _, _, store = data
@@ -167,6 +195,8 @@ def test_held_out_samples_are_never_trained_on_and_measure_the_draft(data, tmp_p
     assert [m["step"] for m in vals] == [50, 100, 150] and res["final"]["val"] == vals[-1]["val"]
     losses, acc0 = [v["val"]["loss"] for v in vals], [v["val"]["acc"][0] for v in vals]
     assert losses == sorted(losses, reverse=True) and acc0[-1] > 1.2 * acc0[0] and vals[-1]["val"]["valid_tokens"] > 0
+    opening = vals[-1]["val"]["opening"]  # these replies are under 64 tokens long: their openings are all of them
+    assert (opening["valid_tokens"], opening["acc"]) == (vals[-1]["val"]["valid_tokens"], vals[-1]["val"]["acc"])
     # the same weights (lr 0) on the same held-out samples: the same figure
     again = train(tmp_path / "again", store, max_steps=1, lr=0.0, val_samples=20, init_draft=tmp_path / "run" / "draft")
     assert again["final"]["val"]["loss"] == pytest.approx(res["final"]["val"]["loss"], rel=1e-5)

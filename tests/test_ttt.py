@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _train_utils import first_reply_openings
 
 from eyas.engines.head import TargetHead
 from eyas.model.attention import KVCache, TTTAttention
 from eyas.model.config import DraftConfig
 from eyas.model.draft import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids
-from eyas.train.loss import reply_start_weights, step_validity, target_distribution, tau_sim
+from eyas.train.loss import opening_mask, reply_start_weights, step_validity, target_distribution, tau_sim
 from eyas.train.ttt import TTTConfig, TTTModel, summarize
 
 V, V_D, H, K = 50, 30, 32, 3
@@ -181,6 +182,19 @@ def test_reply_start_weights_weight_the_loss_of_early_reply_tokens_only():
     g_fast, g_ref = grads(draft, loss), grads(draft, ref_loss)
     for name in g_ref:
         assert rel(g_fast[name], g_ref[name]) < 1e-4, name
+
+
+def test_opening_mask_keeps_the_start_of_each_documents_first_reply():
+    """Documents with two replies, a reply shorter than the window, one reply running across a document
+    boundary (the next document's first reply starts there), padding: the plain loop's answer."""
+    docs = torch.tensor([0] * 12 + [1] * 9 + [2] * 7 + [3] * 4)
+    mask = torch.zeros(32, dtype=torch.bool)
+    for a, b in ((3, 6), (7, 12), (12, 17), (18, 20), (23, 28)):
+        mask[a:b] = True
+    for tokens in (1, 2, 4, 100):
+        ref = first_reply_openings(mask.tolist(), docs.tolist(), tokens)
+        assert opening_mask(mask, docs, tokens).tolist() == ref, tokens
+    assert sum(ref) == 3 + 5 + 5 < mask.sum()  # the documents' first replies only, whole at 100 tokens
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -2,7 +2,9 @@
 # machine stays warm), wait until it ends or DEADLINE seconds pass, and bring back the newest draft in
 # parts (benchmarks/h200/draft_parts.py), so a lost machine costs only the steps since the last call.
 #   DEADLINE=540 STEPS=5000 bash benchmarks/h200/call3_train.sh
-# PACK=0 brings nothing back: chained right after call 2, whose rewrite needs the call's 8 files.
+# PACK=0 brings nothing back; it is the default when $OUT already holds a rewrite (chained right after
+# call 2): the draft's parts and the rewrite together pass the 64 MiB a call brings back, and the rewrite
+# is what a later session cannot remake cheaply.
 # INIT=init_parts starts from the draft whose parts call 1 stashed in $W/init_parts (a fresh schedule);
 # later calls on the same machine go on from it without INIT.
 source benchmarks/h200/env.sh
@@ -22,6 +24,7 @@ if ! training && ! grep -qs "draft saved" "$W/train.log"; then
 fi
 while [ "$(elapsed)" -lt "$DEADLINE" ] && training; do sleep 10; done
 grep -v Loading "$W/train.log" | tail -n 12
+ls "$OUT"/regen*.xz.* > /dev/null 2>&1 && PACK=${PACK:-0}
 [ "${PACK:-1}" = 0 ] || "$PY" benchmarks/h200/draft_parts.py pack "$W/train" "$OUT"
 if room_for 2; then cp "$W/train/metrics.jsonl" "$OUT"/ 2>/dev/null; tail -c 60000 "$W/train.log" > "$OUT/train.log"; fi
 echo "call 3 done after $(elapsed) s"

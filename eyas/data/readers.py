@@ -138,9 +138,12 @@ def normalize_record(record: Any) -> list[dict]:
     blank message (empty system prompts are just dropped); trailing non-assistant turns are dropped.
     """
     if isinstance(record, dict):
-        msgs = next((record[k] for k in ("messages", "conversations", "conversation") if k in record), None)
-        if msgs is None:
+        key = next((k for k in ("messages", "conversations", "conversation") if k in record), None)
+        if key is None:
             raise BadRow("bad_shape", f"no 'conversations' or 'messages' field (keys: {sorted(record)[:6]})")
+        msgs = record[key]
+        if msgs is None:
+            raise BadRow("bad_shape", f"'{key}' is null, not a list of messages")
     else:
         msgs = record
     if not isinstance(msgs, list):

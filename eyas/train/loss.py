@@ -87,6 +87,30 @@ def step_validity(loss_mask: torch.Tensor, document_ids: torch.Tensor, target_id
     return torch.stack(out)
 
 
+def reply_positions(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] long, [N] long): each trained token's index in its reply (a run of trained tokens inside one
+    document; 0 = the reply's first token) and that reply's number in its document (1 = the first).
+    Meaningless where loss_mask is False. Pure tensor ops: no host sync."""
+    lm, doc = loss_mask.bool(), document_ids.long()
+    idx = torch.arange(lm.shape[0], device=lm.device)
+    new_doc = torch.ones_like(lm)
+    new_doc[1:] = doc[1:] != doc[:-1]
+    starts = lm.clone()
+    starts[1:] &= ~(lm[:-1] & ~new_doc[1:])  # first token of each reply
+    run_start = torch.where(starts, idx, 0).cummax(0).values
+    count = starts.long().cumsum(0)  # replies begun so far, over the whole row
+    before_doc = torch.where(new_doc, count - starts.long(), 0).cummax(0).values  # ... before this document
+    return idx - run_start, count - before_doc
+
+
+def opening_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[N] bool: the first `tokens` trained tokens of each document's first reply. A prompt the draft has
+    never seen (a benchmark question) starts there, and a greedy chain stops there most: the held-out
+    figure over these tokens follows MT-Bench's acceptance, the one over all tokens overstates it."""
+    pos, reply = reply_positions(loss_mask, document_ids)
+    return loss_mask.bool() & (reply == 1) & (pos < tokens)
+
+
 def reply_start_weights(loss_mask: torch.Tensor, document_ids: torch.Tensor, steps: int, weight: float,
                         tokens: int) -> torch.Tensor:
     """[steps, N] fp32: the loss weight of what each TTT step predicts at each row: `weight` when the
@@ -96,12 +120,7 @@ def reply_start_weights(loss_mask: torch.Tensor, document_ids: torch.Tensor, ste
     Why: a greedy chain stops at its first miss, and misses crowd at the start of replies, where the
     target itself is least sure; the loss otherwise spends most of its weight on long replies' tails."""
     N = loss_mask.shape[0]
-    lm, doc = loss_mask.bool(), document_ids.long()
-    idx = torch.arange(N, device=lm.device)
-    starts = lm.clone()
-    starts[1:] &= ~(lm[:-1] & (doc[1:] == doc[:-1]))  # first token of each reply
-    run_start = torch.where(starts, idx, 0).cummax(0).values
-    early = lm & (idx - run_start < tokens)  # [N]
+    early = loss_mask.bool() & (reply_positions(loss_mask, document_ids)[0] < tokens)  # [N]
     w = 1.0 + (weight - 1.0) * torch.nn.functional.pad(early.float(), (0, steps + 2))  # [N + steps + 2]
     return torch.stack([w[2 + j:N + 2 + j] for j in range(steps)])
 

@@ -38,10 +38,12 @@ from eyas.model.draft import Eagle3Draft, check_state_dict
 from eyas.model.vocab import draft_to_target_ids, target_to_draft_ids
 from eyas.train import distributed as D
 from eyas.train.compile_cache import CACHE_FILE, save_compile_cache
-from eyas.train.loss import target_distribution
+from eyas.train.loss import opening_mask, target_distribution
 from eyas.train.ttt import TTTConfig, TTTModel, summarize
 from eyas.utils.devices import resolve_dtype
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json, read_json
+
+OPENING_TOKENS = 64  # held-out accuracy is also measured on each first reply's first 64 tokens
 
 if TYPE_CHECKING:
     from eyas.train.graphed import GraphedStep
@@ -275,13 +277,23 @@ class Trainer:
         return stats
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    def evaluate(self, batches: Iterable[dict[str, Any]], opening_tokens: int = OPENING_TOKENS) -> dict[str, Any]:
         """The draft's loss, per-step accuracy and tau_sim on `batches` (held-out data), without training
-        on them. Every rank runs the same batches (DDP and FSDP forwards are collective): no reduction."""
-        stats = torch.zeros_like(self.window)
+        on them, and under "opening" the accuracy and tau_sim of predicting the first `opening_tokens`
+        tokens of each conversation's first reply (eyas.train.loss.opening_mask; 0: not measured). Every
+        rank runs the same batches (DDP and FSDP forwards are collective): no reduction."""
+        stats, opening = torch.zeros_like(self.window), torch.zeros_like(self.window)
         for batch in batches:
             stats += self.forward_batch(batch)[1]
-        return summarize(stats, self.weights)
+            if opening_tokens:
+                mask = opening_mask(batch["loss_mask"], batch["document_ids"], opening_tokens)
+                opening += self.forward_batch({**batch, "loss_mask": mask})[1]
+        m = summarize(stats, self.weights)
+        if opening_tokens:
+            o = summarize(opening, self.weights)
+            m["opening"] = {"tokens": opening_tokens, "acc": o["acc"], "tau_sim": o["tau_sim"],
+                            "valid_tokens": o["valid_tokens"]}
+        return m
 
     def update(self, micro: list[dict[str, Any]], block_mask: Any = None) -> torch.Tensor:
         """Forward and backward of each micro-batch, gradient scaling, clipping and the optimizer
@@ -499,9 +511,12 @@ class MetricsLog:
         self._record(rec, flat)
 
     def write_val(self, step: int, m: dict[str, Any]) -> None:
-        """A validation record: {"step", "val": {loss, step_loss, acc, tau_sim, valid_tokens}}."""
+        """A validation record: {"step", "val": {loss, step_loss, acc, tau_sim, valid_tokens, opening}}."""
         flat = {"val/loss": m["loss"], "val/tau_sim": m["tau_sim"]}
         flat.update({f"val/acc/step{j}": a for j, a in enumerate(m["acc"])})
+        if "opening" in m:
+            flat["val/opening/tau_sim"] = m["opening"]["tau_sim"]
+            flat.update({f"val/opening/acc/step{j}": a for j, a in enumerate(m["opening"]["acc"])})
         self._record({"step": step, "val": m}, flat)
 
     def _record(self, rec: dict[str, Any], flat: dict[str, float]) -> None:
@@ -523,7 +538,12 @@ class MetricsLog:
 
 def format_info(m: dict[str, Any]) -> str:
     acc = "/".join(f"{a:.2f}" for a in m["acc"])
-    return f"loss {m['loss']:.3f} acc {acc} tau {m['tau_sim']:.2f}"
+    line = f"loss {m['loss']:.3f} acc {acc} tau {m['tau_sim']:.2f}"
+    if "opening" in m:  # held-out only
+        o = m["opening"]
+        line += (f"; first {o['tokens']} tokens of first replies ({o['valid_tokens']:,}): acc "
+                 + "/".join(f"{a:.2f}" for a in o["acc"]) + f" tau {o['tau_sim']:.2f}")
+    return line
 
 
 START_UP_NOTE_S = 5.0  # a first step slower than this gets a line saying why
