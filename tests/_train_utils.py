@@ -57,14 +57,19 @@ def make_store(root: Path, n: int = 160) -> tuple[Path, Path, Path]:
     return target, prepared, store
 
 
-def first_reply_openings(mask: list[bool], docs: list[int], tokens: int) -> list[bool]:
-    """The plain way: is each token among the first `tokens` of its document's first reply (a run of
-    trained tokens inside one document)?"""
+def plain_reply_positions(mask: list[bool], docs: list[int]) -> list[tuple[int, int]]:
+    """The plain way, per token: (its index in its reply, that reply's number in its document), a reply
+    being a run of trained tokens inside one document; (-1, 0) for untrained tokens."""
     out, replies, run = [], {}, 0
     for q, (m, d) in enumerate(zip(mask, docs, strict=True)):
         if m and (q == 0 or not mask[q - 1] or docs[q - 1] != d):
             replies[d], run = replies.get(d, 0) + 1, 0
         elif m:
             run += 1
-        out.append(bool(m) and replies.get(d) == 1 and run < tokens)
+        out.append((run, replies[d]) if m else (-1, 0))
     return out
+
+
+def first_reply_openings(mask: list[bool], docs: list[int], tokens: int) -> list[bool]:
+    """Is each token among the first `tokens` of its document's first reply?"""
+    return [reply == 1 and pos < tokens for pos, reply in plain_reply_positions(mask, docs)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _train_utils import first_reply_openings
+from _train_utils import first_reply_openings, plain_reply_positions
 
 from eyas.engines.head import TargetHead
 from eyas.model.attention import KVCache, TTTAttention
@@ -152,12 +152,8 @@ def test_fused_loss_matches_plain_autograd_and_rows_are_independent():
 
 
 def reply_start_token_weights(mask, docs, weight, tokens):
-    """Per token, the plain way: its index in its reply (run of trained tokens in one document)."""
-    out, run = [], 0
-    for q in range(len(mask)):
-        run = run + 1 if q > 0 and mask[q] and mask[q - 1] and docs[q] == docs[q - 1] else int(bool(mask[q]))
-        out.append(weight if mask[q] and run <= tokens else 1.0)
-    return out
+    """Per token, the plain way: `weight` among the first `tokens` of its reply, else 1."""
+    return [weight if 0 <= pos < tokens else 1.0 for pos, _ in plain_reply_positions(mask, docs)]
 
 
 def test_reply_start_weights_weight_the_loss_of_early_reply_tokens_only():
