@@ -37,9 +37,9 @@ from eyas.assets import resolve_model  # noqa: E402
 from eyas.data.chat import ChatEncoder  # noqa: E402
 from eyas.data.readers import BadRow, SkipLog, read_conversations  # noqa: E402
 from eyas.eval.target import HFTarget  # noqa: E402
+from eyas.generate import load_generator  # noqa: E402
 from eyas.model.attention import TTTAttention  # noqa: E402
 from eyas.recipes.evaluate import load_draft  # noqa: E402
-from eyas.recipes.regenerate import load_generator  # noqa: E402
 from eyas.train.ttt import shift_left  # noqa: E402
 from eyas.utils.io import EyasError  # noqa: E402
 
@@ -200,7 +200,8 @@ def main() -> None:
     if args.smoke:
         convs = [[{"role": "user", "content": "Name three colors."},
                   {"role": "assistant", "content": "Red, green and blue. " * 12}],
-                 [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"}]]
+                 [{"role": "user", "content": "Count to ten."},
+                  {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"}]]
         drafts, args.band, args.bands = ["random"], 16, 2
     elif not args.data:
         ap.error("--data is required (or --smoke)")

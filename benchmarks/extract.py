@@ -33,7 +33,7 @@ from common import matmul_ceiling, sync  # noqa: E402
 from eyas.data.prepared import PreparedWriter  # noqa: E402
 from eyas.engines.base import plan_batches  # noqa: E402
 from eyas.engines.hf import HFEngine  # noqa: E402
-from eyas.recipes.extract import default_token_budget, run_extract  # noqa: E402
+from eyas.recipes.extract import ExtractOptions, default_token_budget, run_extract  # noqa: E402
 
 SHAPES = {
     # Llama-3.1-8B: 32 layers, hidden 4096, FFN 14336, 32 query / 8 kv heads, vocab 128256
@@ -118,7 +118,8 @@ def eyas_e2e(model, prepared: Path, out: Path, budget: int, dev: torch.device, f
     engine = HFEngine(model, dtype="bfloat16", device=dev)
     engine.capture([torch.zeros(8, dtype=torch.long)])  # warm-up, as for the other rows
     stats: dict = {}
-    run_extract(prepared, out, model="bench", engine_obj=engine, token_budget=budget, fp8=fp8, stats=stats)
+    run_extract(ExtractOptions(prepared=prepared, out=out, model="bench", token_budget=budget, fp8=fp8),
+                engine_obj=engine, stats=stats)
     engine.close()
     return stats
 
@@ -148,8 +149,8 @@ def bench_shape(shape: str, args, dev: torch.device, work: Path, ceiling: float)
         shutil.rmtree(work / "store", ignore_errors=True)
         name = "eyas e2e" + (" fp8" if fp8 else "")
         rows.append((shape, name, st["tokens"] / st["seconds"],
-                     f"{st['bytes'] / st['seconds'] / 2**30:.2f} GiB/s to disk; +{st['total_seconds'] - st['seconds']:.1f}s "
-                     "one-off (plan, head, manifest)"))
+                     f"{st['bytes'] / st['seconds'] / 2**30:.2f} GiB/s to disk; "
+                     f"+{st['total_seconds'] - st['seconds']:.1f}s one-off (plan, head, manifest)"))
     for r in rows:
         print(f"#   {r[1]}: {r[2]:,.0f} tok/s {r[3]}", flush=True)
     del model, batches

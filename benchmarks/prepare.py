@@ -25,7 +25,7 @@ os.environ.setdefault("EYAS_NO_PROGRESS", "1")
 
 from eyas.assets import smollm2_dir  # noqa: E402
 from eyas.data.readers import SkipLog, read_conversations  # noqa: E402
-from eyas.recipes.prepare import PrepareConfig, default_workers, load_tokenizer, prepare  # noqa: E402
+from eyas.recipes.prepare import PrepareOptions, default_workers, load_tokenizer, prepare  # noqa: E402
 from eyas.utils.io import read_json  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def timed(fn, *args) -> dict:
 
 def run_eyas(workers: int, max_length: int, out_root: Path) -> dict:
     out = out_root / f"w{workers}"
-    prepare(PrepareConfig(inputs=["sharegpt"], model=str(smollm2_dir()), out=out, max_length=max_length,
+    prepare(PrepareOptions(inputs=["sharegpt"], model=str(smollm2_dir()), out=out, max_length=max_length,
                           num_workers=workers, force=True))  # fmt: skip
     m = read_json(out / "manifest.json")
     shutil.rmtree(out)

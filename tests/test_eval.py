@@ -73,7 +73,8 @@ def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0, laye
 
 @torch.no_grad()
 def capture(target, seqs, aux_ids):
-    """(ids [T], aux [T, k*H], target argmax [T]) per sequence, via output_hidden_states (independent of eval's hooks)."""
+    """(ids [T], aux [T, k*H], target argmax [T]) per sequence, via output_hidden_states
+    (independent of eval's hooks)."""
     out = []
     for s in seqs:
         o = target(torch.tensor([s]), output_hidden_states=True)
@@ -442,7 +443,8 @@ def test_prompt_sets(tmp_path):
     from eyas.assets import mtbench_path
 
     (named,) = load_prompt_sets(f"mtbench={mtbench_path()}", max_prompts=80)
-    assert named.name == "mtbench" and [(it.id, it.turns) for it in named.items] == [(it.id, it.turns) for it in mt.items]
+    assert named.name == "mtbench"
+    assert [(it.id, it.turns) for it in named.items] == [(it.id, it.turns) for it in mt.items]
 
 
 def test_prepared_dataset_slice_cuts_before_first_answer(tmp_path):
@@ -480,12 +482,12 @@ def tiny_folder(smollm2_dir, tmp_path_factory):
 
 
 def test_cli_eval_end_to_end_reuse_and_resume(tiny_folder, tmp_path):
-    from eyas.recipes.evaluate import PARTIAL_SUFFIX, run_eval
+    from eyas.recipes.evaluate import PARTIAL_SUFFIX, EvalOptions, run_eval
 
     logs: list[str] = []
     kw = dict(model=str(tiny_folder / "target"), prompts="mtbench", chain="1,2", tree="6:2:3", max_new_tokens=6,
-              max_prompts=2, out=tmp_path / "ev", log=logs.append)
-    out = run_eval(str(tiny_folder / "draft"), **kw)
+              max_prompts=2, out=tmp_path / "ev")
+    out = run_eval(EvalOptions(draft=str(tiny_folder / "draft"), **kw), log=logs.append)
     data = json.loads((out / "report.json").read_text())
     assert set(data["results"]["mtbench"]) == {BASELINE, "chain-1", "chain-2", "tree-6:2:3"}
     assert data["results"]["mtbench"]["chain-2"]["identical_to_target"] == 1.0
@@ -502,11 +504,12 @@ def test_cli_eval_end_to_end_reuse_and_resume(tiny_folder, tmp_path):
     assert recs[(1, "chain-1")]["prompt_tokens"] == len(turn2)
     # same inputs and options: reused
     logs.clear()
-    run_eval(str(tiny_folder / "draft"), **kw)
+    run_eval(EvalOptions(draft=str(tiny_folder / "draft"), **kw), log=logs.append)
     assert any("up to date" in line for line in logs)
     # a new --compare on an up-to-date run only redraws the report against the other run
     other = write_report(EvalResult.from_dict(data), tmp_path / "other", label="older")
-    run_eval(str(tiny_folder / "draft"), compare=[str(other)], label="newer", **kw)
+    run_eval(EvalOptions(draft=str(tiny_folder / "draft"), compare=[str(other)], label="newer", **kw),
+             log=logs.append)
     assert "tau older" in (out / "report.md").read_text() and "# eyas eval: newer" in (out / "report.md").read_text()
     # a killed run resumes from its partial records
     partial = tmp_path / ("ev" + PARTIAL_SUFFIX)
@@ -514,11 +517,53 @@ def test_cli_eval_end_to_end_reuse_and_resume(tiny_folder, tmp_path):
     kept = data["records"][:5]
     partial.write_text("\n".join(json.dumps(x) for x in [{"options_sha256": manifest["options_sha256"]}, *kept]) + "\n")
     logs.clear()
-    run_eval(str(tiny_folder / "draft"), force=True, **kw)
+    run_eval(EvalOptions(draft=str(tiny_folder / "draft"), force=True, **kw), log=logs.append)
     assert any("resuming: 5 generations" in line for line in logs)
     resumed = json.loads((out / "report.json").read_text())
     assert len(resumed["records"]) == 16 and resumed["records"][:5] == kept  # the first five taken from the partial
     assert resumed["results"]["mtbench"][BASELINE]["generations"] == 4
+
+
+def test_eval_resumes_after_a_torn_line_and_a_second_kill(tiny_folder, tmp_path, monkeypatch):
+    """A kill can cut the partial file's last line. The next run keeps what came before it and appends
+    on a line of its own, so a second kill loses nothing the resumed run had finished."""
+    import eyas.eval.runner as runner
+    from eyas.recipes.evaluate import PARTIAL_SUFFIX, EvalOptions, run_eval
+
+    logs: list[str] = []
+    kw = dict(model=str(tiny_folder / "target"), prompts="mtbench", chain="1,2", tree="6:2:3", max_new_tokens=6,
+              max_prompts=2, out=tmp_path / "ev")
+    first = run_eval(EvalOptions(draft=str(tiny_folder / "draft"), **kw), log=logs.append)
+    full = json.loads((first / "report.json").read_text())
+    sha = json.loads((tmp_path / "ev" / "manifest.json").read_text())["options_sha256"]
+    partial = tmp_path / ("ev" + PARTIAL_SUFFIX)
+    kept = full["records"][:5]
+    torn = json.dumps(full["records"][5])[:40]  # the sixth record, cut by the kill
+    partial.write_text("\n".join(json.dumps(x) for x in [{"options_sha256": sha}, *kept]) + "\n" + torn)
+
+    original = runner.evaluate_draft
+
+    def killed_after_three(*args, on_record=None, **kwargs):
+        seen = []
+
+        def record(rec):
+            on_record(rec)
+            seen.append(rec)
+            if len(seen) == 3:
+                raise KeyboardInterrupt  # the second kill, after three more generations were saved
+
+        return original(*args, on_record=record, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_draft", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(EvalOptions(draft=str(tiny_folder / "draft"), force=True, **kw), log=logs.append)
+    monkeypatch.setattr(runner, "evaluate_draft", original)
+    logs.clear()
+    run_eval(EvalOptions(draft=str(tiny_folder / "draft"), force=True, **kw), log=logs.append)
+    assert any("resuming: 8 generations" in line for line in logs), logs
+    resumed = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert len(resumed["records"]) == 16 and resumed["records"][:5] == kept
+    assert not partial.exists()
 
 
 def test_eval_refuses_a_draft_for_another_target(tiny):
@@ -529,11 +574,11 @@ def test_eval_refuses_a_draft_for_another_target(tiny):
 
 def test_eval_names_a_missing_draft_folder(tiny_folder, tmp_path):
     """A mistyped --draft is named with what to give instead, not a FileNotFoundError traceback."""
-    from eyas.recipes.evaluate import run_eval
+    from eyas.recipes.evaluate import EvalOptions, run_eval
 
     with pytest.raises(EyasError, match=r"--draft .*nowhere does not exist: give the folder `eyas train` wrote"):
-        run_eval(str(tmp_path / "nowhere"), model=str(tiny_folder / "target"), prompts="mtbench", chain="1",
-                 max_new_tokens=2, max_prompts=1, out=tmp_path / "ev", log=lambda m: None)
+        run_eval(EvalOptions(draft=str(tmp_path / "nowhere"), model=str(tiny_folder / "target"), prompts="mtbench",
+                             chain="1", max_new_tokens=2, max_prompts=1, out=tmp_path / "ev"), log=lambda m: None)
 
 
 def test_tree_spec_parsing():
@@ -549,13 +594,14 @@ def test_evalresult_rejects_foreign_json():
 
 
 @pytest.mark.vllm
-def test_vllm_engine_counts_what_the_hf_engine_counts(tmp_path, smollm2_dir):
-    """`--engine vllm` on a tiny target with a draft trained on its answers: vLLM's own acceptance counters
+def test_vllm_backend_counts_what_the_hf_backend_counts(tmp_path, smollm2_dir):
+    """`--backend vllm` on a tiny target with a draft trained on its answers: vLLM's own acceptance counters
     give the same steps and accepted-per-position as eyas' chain decoding, and the same greedy text.
-    Runs in the vLLM venv: VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -m vllm tests/test_eval.py"""
+    Runs in the vLLM venv:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -m vllm tests/test_eval.py"""
     pytest.importorskip("vllm")
     from eyas.eval.prompts import PromptItem, PromptSet
-    from eyas.eval.vllm_engine import evaluate_with_vllm
+    from eyas.eval.vllm_backend import evaluate_with_vllm
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,

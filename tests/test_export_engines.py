@@ -33,7 +33,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm")
 
-from eyas.export import ExportOptions, export_draft  # noqa: E402
+from eyas.export import ServeOptions, export_draft  # noqa: E402
 from eyas.model.attention import TTTAttention, causal_attend  # noqa: E402
 from eyas.model.config import DraftConfig  # noqa: E402
 from eyas.model.draft import Eagle3Draft  # noqa: E402
@@ -205,7 +205,7 @@ def test_vllm_serves_vllm_export_with_predicted_acceptance(tmp_path, target_dir,
     """vLLM reads the export's names, d2t and aux layer ids as eyas means them: output identical to the
     target alone, and acceptance exactly what the draft's construction predicts."""
     draft_dir = export_draft(repeat_draft(target_dir, reference), tmp_path / "vllm", "vllm",
-                             ExportOptions(verifier=str(target_dir), dtype="float32"))
+                             ServeOptions(verifier=str(target_dir), dtype="float32"))
     out, m = run_vllm(prompts, MAX_TOKENS, model=str(target_dir),
                       speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": K})
     assert out == [r[:MAX_TOKENS] for r in reference]
@@ -218,7 +218,7 @@ def test_vllm_serves_vllm_export_with_predicted_acceptance(tmp_path, target_dir,
 def test_vllm_serve_detects_speculators_export(tmp_path, target_dir, prompts, reference):
     """`vllm serve <speculators export>`: vLLM finds the target in the config and runs EAGLE-3 with it."""
     draft_dir = export_draft(repeat_draft(target_dir, reference), tmp_path / "speculators", "speculators",
-                             ExportOptions(verifier=str(target_dir), dtype="float32", num_speculative_tokens=K))
+                             ServeOptions(verifier=str(target_dir), dtype="float32", num_speculative_tokens=K))
     out, m = run_vllm(prompts, MAX_TOKENS, model=str(draft_dir))
     assert out == [r[:MAX_TOKENS] for r in reference]
     expected = [repeat_acceptance(r, K, MAX_TOKENS) for r in reference]
@@ -240,7 +240,7 @@ def test_vllm_acceptance_matches_eyas_eval(tmp_path, target_dir, prompts, refere
 
     draft = last_layer_draft(target_dir, reference, intermediate_size, layers, eagle31)
     assert draft.layers[0].mlp.up_proj.weight.shape[0] == (intermediate_size or 256)
-    draft_dir = export_draft(draft, tmp_path / "vllm", "vllm", ExportOptions(verifier=str(target_dir), dtype="float32"))
+    draft_dir = export_draft(draft, tmp_path / "vllm", "vllm", ServeOptions(verifier=str(target_dir), dtype="float32"))
     out, m = run_vllm(prompts, MAX_TOKENS, model=str(target_dir),
                       speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": K})
     assert out == [r[:MAX_TOKENS] for r in reference]
@@ -275,7 +275,7 @@ def test_speculators_package_loads_export_and_agrees(tmp_path, target_dir, layer
             if "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
     out = export_draft(draft, tmp_path / "speculators", "speculators",
-                       ExportOptions(verifier=str(target_dir), dtype="float32"))
+                       ServeOptions(verifier=str(target_dir), dtype="float32"))
     config = Eagle3SpeculatorConfig.from_pretrained(out)
     config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention is for GPUs
     theirs = Eagle3DraftModel.from_pretrained(out, config=config).float().eval()

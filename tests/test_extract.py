@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import transformers as tf
 
 from eyas.data.prepared import PreparedDataset, PreparedWriter
 from eyas.engines.hf import HFEngine
-from eyas.recipes.extract import run_extract
+from eyas.recipes.extract import ExtractOptions, run_extract
 from eyas.store import HiddenStore, partial_dir
 from eyas.utils.io import EyasError
 
@@ -41,7 +42,8 @@ def assets(tmp_path_factory):
         w.add(rng.integers(0, 300, size=n), (rng.random(n) < 0.5).astype(np.uint8))
     w.finish(tokenizer="test", chat_template_sha256="", max_length=64, skipped={}, truncated=0,
              options_sha256="test", sources=[])
-    ref = run_extract(root / "prepared", root / "reference", model=str(root / "model"), **OPTS)
+    ref = run_extract(ExtractOptions(prepared=root / "prepared", out=root / "reference",
+                                     model=str(root / "model"), **OPTS))
     return root, ref
 
 
@@ -49,9 +51,16 @@ def hashes(store) -> list[str]:
     return [s["sha256"] for s in json.loads((store / "manifest.json").read_text())["shards"]]
 
 
+def free_port() -> int:
+    """A port nothing listens on now (a fixed one collides with other test runs on the machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def cli(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "EYAS_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-    head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
             "-m", "eyas.cli"] if torchrun else [sys.executable, "-m", "eyas.cli"]
     return subprocess.run([*head, "extract", *args], capture_output=True, text=True, timeout=180, env=env)
 
@@ -75,7 +84,7 @@ def test_store_holds_the_engines_states(assets):
     assert head.lm_head.shape == (300, 32) and head.norm_eps == engine.target_head().norm_eps
     # same inputs and options: reused without loading the model
     before = (ref / "manifest.json").stat().st_mtime_ns
-    assert run_extract(root / "prepared", ref, model=str(root / "model"), **OPTS) == ref
+    assert run_extract(ExtractOptions(prepared=root / "prepared", out=ref, model=str(root / "model"), **OPTS)) == ref
     assert (ref / "manifest.json").stat().st_mtime_ns == before
 
 
@@ -88,17 +97,19 @@ def test_resume_after_kill_gives_identical_store(assets):
             raise KeyboardInterrupt("simulated kill after shard 1")
 
     with pytest.raises(KeyboardInterrupt):
-        run_extract(root / "prepared", out, model=str(root / "model"), on_shard=kill, **OPTS)
+        run_extract(ExtractOptions(prepared=root / "prepared", out=out, model=str(root / "model"), **OPTS),
+                    on_shard=kill)
     assert not out.exists() and {"shard-00000.safetensors", "shard-00001.safetensors"} <= {
         p.name for p in partial_dir(out).iterdir()}
-    run_extract(root / "prepared", out, model=str(root / "model"), **OPTS)
+    run_extract(ExtractOptions(prepared=root / "prepared", out=out, model=str(root / "model"), **OPTS))
     assert hashes(out) == hashes(ref) and not partial_dir(out).exists()
     assert (out / "manifest.json").read_text() == (ref / "manifest.json").read_text()
 
 
 def test_fp8_store_is_close_to_bf16(assets):
     root, ref = assets
-    out = run_extract(root / "prepared", root / "fp8", model=str(root / "model"), fp8=True, **OPTS)
+    out = run_extract(ExtractOptions(prepared=root / "prepared", out=root / "fp8", model=str(root / "model"),
+                                     fp8=True, **OPTS))
     a, b = HiddenStore(out), HiddenStore(ref)
     assert a.manifest["dtype"] == "float8_e4m3fn"
     for i in (0, 11, 23):
@@ -133,6 +144,7 @@ def test_two_torchrun_ranks_write_one_store(assets):
 def test_bad_inputs_fail_fast_with_clear_messages(assets, tmp_path):
     root, _ = assets
     with pytest.raises(EyasError, match="not a prepared dataset"):
-        run_extract(tmp_path / "nope", tmp_path / "s", model=str(root / "model"), **OPTS)
+        run_extract(ExtractOptions(prepared=tmp_path / "nope", out=tmp_path / "s", model=str(root / "model"), **OPTS))
     with pytest.raises(EyasError, match="out of range"):
-        run_extract(root / "prepared", tmp_path / "s", model=str(root / "model"), aux_layer_ids=[1, 8], **OPTS)
+        run_extract(ExtractOptions(prepared=root / "prepared", out=tmp_path / "s", model=str(root / "model"),
+                                   aux_layers=[1, 8], **OPTS))

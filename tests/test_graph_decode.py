@@ -1,4 +1,4 @@
-"""eyas.engines.graph_decode: continuous batching over static KV caches writes what transformers'
+"""eyas.generate.graph_decode: continuous batching over static KV caches writes what transformers'
 `generate` writes one prompt at a time (greedy, fp32) whatever the lanes and however rows are reused,
 samples reproducibly, and refuses a model or a transformers version whose internals break its
 contract. (The CUDA-graph replay itself needs a GPU: benchmarks/regenerate.py checks it there
@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers as tf
 
-from eyas.engines.graph_decode import GraphDecoder, Lane, Sampler
+from eyas.generate.graph_decode import GraphDecoder, Lane, Sampler
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -143,7 +143,7 @@ def test_a_broken_cache_contract_is_caught_before_decoding(monkeypatch):
             self.pos -= 1
 
     monkeypatch.setattr(Lane, "update", misplaced)
-    with pytest.raises(EyasError, match="differ from a plain forward.*--engine generate"):
+    with pytest.raises(EyasError, match="differ from a plain forward.*--generator generate"):
         GraphDecoder(model, 40, 4, [STOP], pad_id=0).generate(PROMPTS)
     assert model.config._attn_implementation == "sdpa"
 

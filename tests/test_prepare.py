@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from eyas.data.chat import ChatEncoder
 from eyas.data.prepared import PreparedDataset
 from eyas.data.readers import Row
-from eyas.recipes.prepare import PrepareConfig, _encoded_chunks, prepare, show_samples
+from eyas.recipes.prepare import PrepareOptions, _encoded_chunks, prepare, show_samples
 from eyas.utils.io import EyasError
 
 EOT = "<|im_end|>"
@@ -60,13 +60,14 @@ def read_shards(out: Path) -> dict[str, np.ndarray]:
 
 def test_prepare_writes_the_documented_format(tmp_path, chat_file, tok):
     out = tmp_path / "prep"
-    prepare(PrepareConfig(inputs=[str(chat_file)], out=out, max_length=512, num_workers=1, shard_tokens=1000))
+    prepare(PrepareOptions(inputs=[str(chat_file)], out=out, max_length=512, num_workers=1, shard_tokens=1000))
     m = json.loads((out / "manifest.json").read_text())
     assert m["format"] == "eyas.prepared/1" and m["vocab_size"] == 49152 and m["max_length"] == 512
     assert m["skipped"] == {"not_json": 1, "unknown_role": 1, "no_loss_tokens": 1}
     assert m["skipped_examples"]["not_json"][0].startswith(f"{chat_file}:6: ")
     assert m["num_samples"] == 37 and len(m["shards"]) > 1
-    assert sum(s["num_samples"] for s in m["shards"]) == 37 and sum(s["num_tokens"] for s in m["shards"]) == m["num_tokens"]
+    assert sum(s["num_samples"] for s in m["shards"]) == 37
+    assert sum(s["num_tokens"] for s in m["shards"]) == m["num_tokens"]
     assert m["truncated"] == 0 and m["sources"] == [str(chat_file)] and len(m["options_sha256"]) == 64
     for key in ("tokenizer", "chat_template_sha256", "num_loss_tokens"):
         assert key in m
@@ -91,9 +92,9 @@ def test_prepare_writes_the_documented_format(tmp_path, chat_file, tok):
 
 
 def test_workers_give_identical_output_and_max_samples_is_exact(tmp_path, chat_file):
-    one = prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "w1", max_length=512, num_workers=1,
+    one = prepare(PrepareOptions(inputs=[str(chat_file)], out=tmp_path / "w1", max_length=512, num_workers=1,
                                 max_samples=25))  # fmt: skip
-    two = prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "w2", max_length=512, num_workers=2,
+    two = prepare(PrepareOptions(inputs=[str(chat_file)], out=tmp_path / "w2", max_length=512, num_workers=2,
                                 max_samples=25))  # fmt: skip
     a, b = read_shards(one), read_shards(two)
     np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
@@ -136,7 +137,7 @@ def test_ctrl_c_is_left_to_the_parent_so_the_workers_still_finish_and_exit(tok):
 
 
 def test_reuse_and_rebuild(tmp_path, chat_file):
-    cfg = PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "p", max_length=512, num_workers=1)
+    cfg = PrepareOptions(inputs=[str(chat_file)], out=tmp_path / "p", max_length=512, num_workers=1)
     prepare(cfg)
     manifest = cfg.out / "manifest.json"
     before = manifest.stat().st_mtime_ns
@@ -157,23 +158,23 @@ def test_unreadable_input_leaves_no_output_and_keeps_the_old_one(tmp_path, chat_
     garbage.write_bytes(b"\xff\xfe\x00binary\n\x00\x01\x02\n")
     out = tmp_path / "p"
     with pytest.raises(EyasError) as e:
-        prepare(PrepareConfig(inputs=[str(chat_file), str(garbage)], out=out, num_workers=1))
+        prepare(PrepareOptions(inputs=[str(chat_file), str(garbage)], out=out, num_workers=1))
     assert e.value.exit_code == 2 and str(garbage) in str(e.value)
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
-    prepare(PrepareConfig(inputs=[str(chat_file)], out=out, max_length=512, num_workers=1))
+    prepare(PrepareOptions(inputs=[str(chat_file)], out=out, max_length=512, num_workers=1))
     before = (out / "manifest.json").read_text()
     with pytest.raises(EyasError):
-        prepare(PrepareConfig(inputs=[str(chat_file), str(tmp_path / "missing.json")], out=out, num_workers=1))
+        prepare(PrepareOptions(inputs=[str(chat_file), str(tmp_path / "missing.json")], out=out, num_workers=1))
     assert (out / "manifest.json").read_text() == before
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("precious")
     with pytest.raises(EyasError, match="refusing"):
-        prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "mine", num_workers=1))
+        prepare(PrepareOptions(inputs=[str(chat_file)], out=tmp_path / "mine", num_workers=1))
     assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
 
 
 def test_show_highlights_exactly_the_trained_tokens(tmp_path, chat_file, tok):
-    out = prepare(PrepareConfig(inputs=[str(chat_file)], out=tmp_path / "p", max_length=512, num_workers=1))
+    out = prepare(PrepareOptions(inputs=[str(chat_file)], out=tmp_path / "p", max_length=512, num_workers=1))
     buf = io.StringIO()
     show_samples(out, 2, tok, Console(file=buf, color_system=None, width=200))
     text = buf.getvalue()
@@ -264,8 +265,8 @@ def test_prepare_trim_loops_with_the_real_tokenizer(tmp_path, tok):
     ]
     src = tmp_path / "loops.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    whole = prepare(PrepareConfig(inputs=[str(src)], out=tmp_path / "whole", max_length=2048, num_workers=1))
-    cfg = PrepareConfig(inputs=[str(src)], out=tmp_path / "cut", max_length=2048, num_workers=1, trim_loops=8)
+    whole = prepare(PrepareOptions(inputs=[str(src)], out=tmp_path / "whole", max_length=2048, num_workers=1))
+    cfg = PrepareOptions(inputs=[str(src)], out=tmp_path / "cut", max_length=2048, num_workers=1, trim_loops=8)
     cut = prepare(cfg)
     mw, mc = (json.loads((p / "manifest.json").read_text()) for p in (whole, cut))
     assert mc["trim_loops"] == 8 and mc["trimmed_tokens"] == mw["num_tokens"] - mc["num_tokens"] > 300
@@ -281,4 +282,4 @@ def test_prepare_trim_loops_with_the_real_tokenizer(tmp_path, tok):
     assert int(short[0]["loss_mask"].sum()) < 60
 
     with pytest.raises(EyasError, match="--trim-loops"):
-        prepare(PrepareConfig(inputs=[str(src)], out=tmp_path / "bad", trim_loops=-1))
+        prepare(PrepareOptions(inputs=[str(src)], out=tmp_path / "bad", trim_loops=-1))

@@ -168,7 +168,8 @@ def test_unreadable_inputs_raise_a_user_error(tmp_path):
     (tmp_path / "folder").mkdir()
     (tmp_path / "notes.txt").write_text("hello")
     for name, words in [(tmp_path / "missing.jsonl", "not found"), (tmp_path / "binary.json", "neither"),
-                        (tmp_path / "folder", "not a saved dataset"), (tmp_path / "notes.txt", "unknown file type")]:  # fmt: skip
+                        (tmp_path / "folder", "not a saved dataset"),
+                        (tmp_path / "notes.txt", "unknown file type")]:  # fmt: skip
         with pytest.raises(EyasError) as e:
             read_conversations(name)
         assert e.value.exit_code == 2 and words in str(e.value) and str(name) in str(e.value)

@@ -95,7 +95,8 @@ def test_roundtrip_bf16(tmp_path):
     for i, n in enumerate(LENGTHS):
         s, r = sample(i, n), store[i]
         assert torch.equal(r["input_ids"], s["input_ids"]) and torch.equal(r["loss_mask"], s["loss_mask"])
-        assert torch.equal(r["aux_hidden"], s["aux"].bfloat16()) and torch.equal(r["final_hidden"], s["final"].bfloat16())
+        assert torch.equal(r["aux_hidden"], s["aux"].bfloat16())
+        assert torch.equal(r["final_hidden"], s["final"].bfloat16())
     assert torch.equal(store[-1]["final_hidden"], store[len(LENGTHS) - 1]["final_hidden"])
     with pytest.raises(IndexError):
         store[len(LENGTHS)]

@@ -12,14 +12,15 @@ import torch
 from _train_utils import AUX, first_reply_openings, make_store
 
 from eyas.engines.hf import HFEngine
-from eyas.export.formats import import_draft
+from eyas.model.checkpoints import import_draft
 from eyas.model.config import DraftConfig
 from eyas.model.draft import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
 from eyas.store import HiddenStore
+from eyas.train.config import TrainConfig
 from eyas.train.data import PackDataset, Plan, SampleSource, collate_pack, fill_states, plan_epoch
 from eyas.train.distributed import DistInfo
-from eyas.train.trainer import TrainConfig, Trainer
+from eyas.train.trainer import Trainer
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,12 +43,13 @@ def metrics(path):
 
 
 def train(out, store, **kw):
-    from eyas.recipes.train import run_train
+    from eyas.recipes.train import TrainOptions, run_train
 
     opts = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
                 save_every=0, lr=3e-3)
     opts.update(kw)
-    return run_train(out, store=store, log=lambda m: None, **opts)
+    stop_after = opts.pop("stop_after", 0)
+    return run_train(TrainOptions(out=out, store=store, **opts), log=lambda m: None, stop_after=stop_after)
 
 
 def test_plan_packs_every_sample_once_and_splits_ranks():
@@ -64,7 +66,8 @@ def test_plan_packs_every_sample_once_and_splits_ranks():
     one = Plan(lengths, 512, 3, world=1, grad_accum=4).rank_packs(0, 0)
     r0, r1 = (Plan(lengths, 512, 3, world=2, grad_accum=2).rank_packs(0, r) for r in (0, 1))
     for s in range(len(one) // 4):
-        assert [p.tolist() for p in one[4 * s:4 * s + 4]] == [p.tolist() for p in r0[2 * s:2 * s + 2] + r1[2 * s:2 * s + 2]]
+        assert [p.tolist() for p in one[4 * s:4 * s + 4]] == [
+            p.tolist() for p in r0[2 * s:2 * s + 2] + r1[2 * s:2 * s + 2]]
 
 
 def test_collate_pack_layout():
@@ -138,7 +141,8 @@ def test_held_out_opening_is_the_figure_of_first_replies_starts(data):
     first = batches[0]["document_ids"] == batches[0]["document_ids"][0]
     batches[0]["loss_mask"][first.nonzero()[-4]] = False  # its first document now has two replies
     m = trainer.evaluate(batches, opening_tokens=6)
-    cut = [{**b, "loss_mask": torch.tensor(first_reply_openings(b["loss_mask"].tolist(), b["document_ids"].tolist(), 6))}
+    cut = [{**b, "loss_mask": torch.tensor(first_reply_openings(b["loss_mask"].tolist(),
+                                                                b["document_ids"].tolist(), 6))}
            for b in batches]
     ref = trainer.evaluate(cut, opening_tokens=0)
     assert "opening" not in ref and m["opening"]["valid_tokens"] == ref["valid_tokens"] > 0
@@ -322,8 +326,8 @@ def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):
     assert again.exit_code == 0 and "up to date" in again.output
     bad = CliRunner().invoke(app, ["train", "--prepared", str(prepared), "--out", str(out)])
     assert bad.exit_code != 0 and "--online" in str(bad.exception or bad.output)
-    bad = CliRunner().invoke(app, [*args, "--cuda-graph", "maybe"])
-    assert bad.exit_code != 0 and "--cuda-graph must be auto, on or off" in str(bad.exception or bad.output)
+    bad = CliRunner().invoke(app, [*args, "--cuda-graph", "maybe"])  # a switch: --cuda-graph / --no-cuda-graph
+    assert bad.exit_code == 2 and "maybe" in bad.output
 
 
 def test_init_draft_starts_from_its_weights_and_vocabulary(data, tmp_path):
@@ -331,12 +335,12 @@ def test_init_draft_starts_from_its_weights_and_vocabulary(data, tmp_path):
     over --draft-vocab-size, and learns on from where it was; a draft of another shape is refused."""
     import dataclasses
 
-    from eyas.export.formats import ExportOptions, export_draft
+    from eyas.export import ServeOptions, export_draft
 
     target, _, store = data
     train(tmp_path / "first", store, max_steps=40)
     first = Eagle3Draft.from_pretrained(tmp_path / "first" / "draft")
-    export_draft(first, tmp_path / "vllm", "vllm", ExportOptions(verifier=str(target), dtype="float32"))
+    export_draft(first, tmp_path / "vllm", "vllm", ServeOptions(verifier=str(target), dtype="float32"))
     # lr 0: the optimizer moves nothing, so the written draft is the init draft itself
     train(tmp_path / "frozen", store, max_steps=1, lr=0.0, init_draft=tmp_path / "vllm", draft_vocab_size=40)
     frozen = Eagle3Draft.from_pretrained(tmp_path / "frozen" / "draft").state_dict()
@@ -389,7 +393,7 @@ def test_init_head_starts_the_lm_head_as_the_targets_head(data, tmp_path):
 def test_draft_intermediate_size_widens_the_mlp_through_export(data, tmp_path):
     """--draft-intermediate-size: the trained draft's MLP has that width, every export format says so and
     imports back to it, and it learns; --init-draft of the target's width is refused by name."""
-    from eyas.export.formats import ExportOptions, export_draft
+    from eyas.export import ServeOptions, export_draft
 
     target, _, store = data
     narrow = Eagle3Draft.from_pretrained(_trained_narrow(tmp_path, store))
@@ -401,7 +405,7 @@ def test_draft_intermediate_size_widens_the_mlp_through_export(data, tmp_path):
     rows = metrics(tmp_path / "wide")
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     for fmt in ("vllm", "speculators", "sglang"):
-        export_draft(wide, tmp_path / fmt, fmt, ExportOptions(verifier=str(target), dtype="float32"))
+        export_draft(wide, tmp_path / fmt, fmt, ServeOptions(verifier=str(target), dtype="float32"))
         back = import_draft(tmp_path / fmt, target=str(target))
         assert back.config.intermediate_size == wide_size
         assert torch.equal(back.layers[0].mlp.down_proj.weight, wide.layers[0].mlp.down_proj.weight)
@@ -433,7 +437,7 @@ def test_eagle31_switches_train_export_and_import(data, tmp_path):
     """--fc-norm --norm-output: the draft carries one norm per aux layer and learns; vLLM and
     speculators exports say so and import back to the same tensors; SGLang's is refused (releases
     without the switches would drop them silently); a plain --init-draft is refused by name."""
-    from eyas.export.formats import ExportOptions, export_draft
+    from eyas.export import ServeOptions, export_draft
 
     target, _, store = data
     train(tmp_path / "e31", store, max_steps=40, fc_norm=True, norm_output=True)
@@ -443,7 +447,7 @@ def test_eagle31_switches_train_export_and_import(data, tmp_path):
     rows = metrics(tmp_path / "e31")
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     for fmt in ("vllm", "speculators"):
-        export_draft(draft, tmp_path / fmt, fmt, ExportOptions(verifier=str(target), dtype="float32"))
+        export_draft(draft, tmp_path / fmt, fmt, ServeOptions(verifier=str(target), dtype="float32"))
         config = json.loads((tmp_path / fmt / "config.json").read_text())
         assert config["fc_norm"] is True and config["norm_output"] is True
         back = import_draft(tmp_path / fmt, target=str(target))
@@ -457,7 +461,7 @@ def test_eagle31_switches_train_export_and_import(data, tmp_path):
     with pytest.raises(EyasError, match="missing fc_norm.0.weight"):
         import_draft(tmp_path / "vllm", target=str(target))
     with pytest.raises(EyasError, match="EAGLE-3.1 draft.*Export --format vllm or speculators"):
-        export_draft(draft, tmp_path / "sglang", "sglang", ExportOptions(verifier=str(target)))
+        export_draft(draft, tmp_path / "sglang", "sglang", ServeOptions(verifier=str(target)))
     with pytest.raises(EyasError, match="fc_norm False \\(this run: True\\)"):
         train(tmp_path / "bad", store, max_steps=1, fc_norm=True, init_draft=_trained_narrow(tmp_path, store))
 
@@ -474,13 +478,13 @@ def test_offline_training_on_some_of_the_stores_layers(data, tmp_path):
     assert off["aux_hidden"].shape == on["aux_hidden"].shape == (off["num_tokens"], 2 * 32)
     err = (off["aux_hidden"].float() - on["aux_hidden"]).norm() / on["aux_hidden"].norm()
     assert err.item() < 1e-2, err  # bf16 rounding only: the wrong layer would be ~100%
-    train(tmp_path / "two", store, max_steps=40, aux_layer_ids=[1, 4])
+    train(tmp_path / "two", store, max_steps=40, aux_layers=[1, 4])
     two = Eagle3Draft.from_pretrained(tmp_path / "two" / "draft")
     assert two.config.aux_layer_ids == [1, 4] and two.fc.weight.shape == (32, 2 * 32)
     rows = metrics(tmp_path / "two")
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     with pytest.raises(EyasError, match=r"holds aux layers \[1, 3, 4\], not \[2\]"):
-        train(tmp_path / "bad", store, max_steps=1, aux_layer_ids=[1, 2])
+        train(tmp_path / "bad", store, max_steps=1, aux_layers=[1, 2])
 
 
 def _trained_narrow(tmp_path, store):
@@ -491,14 +495,14 @@ def _trained_narrow(tmp_path, store):
 def test_the_first_steps_start_up_is_reported_and_kept_out_of_the_rate(data, tmp_path, monkeypatch):
     """The first step of a run also compiles and captures (minutes on a GPU): a line says so, and tok/s
     and the ETA count from the step after it."""
-    import eyas.train.trainer as trainer_module
-    from eyas.recipes.train import run_train
+    import eyas.train.loop as loop_module
+    from eyas.recipes.train import TrainOptions, run_train
 
     _, _, store = data
-    monkeypatch.setattr(trainer_module, "START_UP_NOTE_S", 0.0)
+    monkeypatch.setattr(loop_module, "START_UP_NOTE_S", 0.0)
     lines: list[str] = []
-    run_train(tmp_path / "run", store=store, draft_vocab_size=48, ttt_steps=2, token_budget=256, num_workers=0,
-              report_to="none", log_every=1, save_every=0, max_steps=3, log=lines.append)
+    run_train(TrainOptions(out=tmp_path / "run", store=store, draft_vocab_size=48, ttt_steps=2, token_budget=256,
+                           num_workers=0, report_to="none", log_every=1, save_every=0, max_steps=3), log=lines.append)
     assert sum("first step done after" in line for line in lines) == 1, lines
     rows = metrics(tmp_path / "run")
     assert [m["step"] for m in rows] == [1, 2, 3] and all(m["tok_per_s"] > 0 for m in rows)
@@ -507,13 +511,13 @@ def test_the_first_steps_start_up_is_reported_and_kept_out_of_the_rate(data, tmp
 def test_online_training_follows_the_offline_curve(data, tmp_path):
     """--online: the target runs in the loop on the prepared data; no states on disk."""
     target, prepared, store = data
-    from eyas.recipes.train import run_train
+    from eyas.recipes.train import TrainOptions, run_train
 
     kw = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=1, report_to="none", log_every=1,
-              save_every=0, lr=3e-3, max_steps=3, log=lambda m: None)
-    off_run = run_train(tmp_path / "off", store=store, val_samples=12, **kw)
-    on_run = run_train(tmp_path / "on", prepared=prepared, online=True, model=str(target), aux_layer_ids=AUX,
-                       target_dtype="float32", val_samples=12, **kw)
+              save_every=0, lr=3e-3, max_steps=3)
+    off_run = run_train(TrainOptions(out=tmp_path / "off", store=store, val_samples=12, **kw), log=lambda m: None)
+    on_run = run_train(TrainOptions(out=tmp_path / "on", prepared=prepared, online=True, model=str(target),
+                                    aux_layers=AUX, target_dtype="float32", val_samples=12, **kw), log=lambda m: None)
     off, on = metrics(tmp_path / "off"), metrics(tmp_path / "on")
     assert [m["step"] for m in on] == [1, 2, 3, 3] and "val" in on[-1]  # the held-out samples, measured at the end
     for a, b in zip(off, on, strict=True):  # stored states are bf16, online ones fp32: close, not equal
@@ -526,7 +530,7 @@ def test_online_training_follows_the_offline_curve(data, tmp_path):
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_scale_and_clip_matches_torch_clipping_of_scaled_gradients(max_norm):
-    from eyas.train.trainer import scale_and_clip_
+    from eyas.train.strategy import scale_and_clip_
 
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(5, 7)) for _ in range(3)]
@@ -554,11 +558,11 @@ def test_cuda_graph_asked_where_it_cannot_run_says_so_and_trains(data, tmp_path)
 _COMPILED_RUN = """
 import json, sys, torch
 from torch._dynamo.utils import counters
-from eyas.recipes.train import run_train
+from eyas.recipes.train import TrainOptions, run_train
 lines = []
-res = run_train(sys.argv[1], store=sys.argv[2], resume=True, compile=True, draft_vocab_size=48, ttt_steps=2,
-                token_budget=256, num_workers=0, report_to="none", log_every=1, save_every=0, max_steps=3,
-                max_time=float(sys.argv[3]), log=lines.append)
+res = run_train(TrainOptions(out=sys.argv[1], store=sys.argv[2], resume=True, compile=True, draft_vocab_size=48,
+                             ttt_steps=2, token_budget=256, num_workers=0, report_to="none", log_every=1, save_every=0,
+                             max_steps=3, max_time=float(sys.argv[3])), log=lines.append)
 print(json.dumps({"steps": res["steps"], "lines": lines, "hit": counters["inductor"]["fxgraph_cache_hit"],
                   "miss": counters["inductor"]["fxgraph_cache_miss"]}))
 """

@@ -32,7 +32,7 @@ if [ ! -f "$W/$NAME.jsonl" ] && ls "$BUNDLE"/c/$NAME.jsonl.xz.* > /dev/null 2>&1
 fi
 echo "set up after $(elapsed) s"
 BUDGET=$(( DEADLINE - 60 - $(elapsed) )); [ "$BUDGET" -ge 1 ] || BUDGET=1  # 60 s left for prepare and xz
-eyas regenerate -i "$W/users.jsonl" --out "$W/$NAME.jsonl" --max-samples "$SAMPLES" --engine "${ENGINE:-static}" \
+eyas regenerate -i "$W/users.jsonl" --out "$W/$NAME.jsonl" --max-samples "$SAMPLES" --generator "${GENERATOR:-static}" \
   --max-new-tokens 256 --max-length 2048 --temperature "$TEMP" --seed "$SEED" --max-time "$BUDGET" \
   > "$W/$NAME.log" 2>&1
 tail -n 3 "$W/$NAME.log"

@@ -60,7 +60,7 @@ def unpack(src: Path, out: Path) -> None:
     """The parts joined into OUT (model.safetensors + config.json), then read back through eyas' own
     importer, which checks the draft against the target and fills in the target's embedding."""
     from eyas.assets import smollm2_dir
-    from eyas.export.formats import import_draft
+    from eyas.model.checkpoints import import_draft
 
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for f in src.glob("draft.part*.safetensors"):

@@ -207,7 +207,8 @@ class ChatEncoder:
         if cut:
             redo = [k for k, (t, (ids, e)) in enumerate(zip(texts, out, strict=True))
                     if len(t) > cut and (len(ids) <= T or e.token_to_chars(T)[1] > cut - PREFIX_MARGIN)]
-            for k, e in zip(redo, self._backend.encode_batch([texts[k] for k in redo], add_special_tokens=False), strict=True):
+            for k, e in zip(redo, self._backend.encode_batch([texts[k] for k in redo], add_special_tokens=False),
+                            strict=True):
                 out[k] = (e.ids, e)
         return out
 

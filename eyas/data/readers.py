@@ -391,7 +391,8 @@ def resolve_input(name: str) -> Source:
                 return Source(name, "jsonl", str(path))
             raise EyasError(f"{path}:1: neither a JSON array nor JSONL (starts with {first!r}). "
                             "Give ShareGPT/OpenAI chat data as .json, .jsonl or .parquet.")  # fmt: skip
-        raise EyasError(f"{path}: unknown file type '{suffix}'. Use .json, .jsonl, .parquet, .arrow or a saved dataset.")
+        raise EyasError(f"{path}: unknown file type '{suffix}'. "
+                        "Use .json, .jsonl, .parquet, .arrow or a saved dataset.")
     looks_like_file = path.suffix.lower() in (".json", ".jsonl", ".ndjson", ".parquet", ".arrow")
     if name.count("/") == 1 and not name.startswith((".", "/", "~")) and not looks_like_file:
         return Source(name, "hub", name)

@@ -25,57 +25,15 @@ from eyas.engines.base import (
     default_aux_layer_ids,
     validate_aux_layer_ids,
 )
+from eyas.engines.decoder import find_text_decoder
 from eyas.engines.head import TargetHead
+from eyas.model.config import text_config
 from eyas.utils.devices import resolve_device, resolve_dtype
 from eyas.utils.io import EyasError
-
-# where wrappers keep their text decoder, most specific last (checked before the generic search)
-_DECODER_PATHS = ("model.language_model", "language_model", "model.text_model", "text_model", "model", "transformer")
-_NORM_NAMES = ("norm", "final_layernorm", "final_norm", "norm_f", "ln_f")
 
 
 class _StopForward(Exception):
     """Raised by the final-norm hook: everything after the last decoder layer is skipped."""
-
-
-def _get(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def _is_decoder(m: Any) -> bool:
-    layers = getattr(m, "layers", None)
-    return isinstance(m, nn.Module) and isinstance(layers, nn.ModuleList) and len(layers) > 0 and (
-        getattr(m, "embed_tokens", None) is not None or hasattr(m, "get_input_embeddings"))
-
-
-def find_text_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module | None]:
-    """(text model, its decoder layers, its final norm or None) for a causal LM or a multimodal wrapper.
-
-    Known paths first (model.model, model.model.language_model, ...), then the shallowest module
-    outside any vision/audio tower that has `layers` and token embeddings.
-    """
-    found = None
-    for path in _DECODER_PATHS:
-        m = _get(model, path)
-        if _is_decoder(m):
-            found = m
-            break
-    if found is None:
-        skip = ("vision", "visual", "audio", "image", "mm_projector", "multi_modal")
-        cands = [(name.count("."), name, m) for name, m in model.named_modules()
-                 if _is_decoder(m) and not any(s in name.lower() for s in skip)]
-        if not cands:
-            raise EyasError(
-                f"cannot find the text decoder in {type(model).__name__}: no submodule has `layers` and token "
-                "embeddings. eyas' hf engine supports transformers causal LMs and their multimodal wrappers."
-            )
-        found = min(cands, key=lambda c: (c[0], c[1]))[2]
-    norm = next((getattr(found, n) for n in _NORM_NAMES if isinstance(getattr(found, n, None), nn.Module)), None)
-    return found, found.layers, norm
 
 
 def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, device_map: str | None = None,
@@ -130,7 +88,7 @@ class HFEngine(TargetEngine):
         self.model.eval().requires_grad_(False)
         self.config = self.model.config
         self.text_model, self.layers, self.norm = find_text_decoder(self.model)
-        text_cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        text_cfg = text_config(self.config)
         self.text_config = text_cfg
         self.num_layers = min(len(self.layers), int(getattr(text_cfg, "num_hidden_layers", len(self.layers))))
         self.hidden_size = int(text_cfg.hidden_size)

@@ -217,8 +217,8 @@ def load_prompt_sets(spec: str, max_prompts: int | None = None, max_turns: int =
             elif path.exists():
                 sets.append(chat_file_set(path, max_prompts, max_turns))
             else:
-                raise EyasError(f"--prompts {part!r} is neither a built-in set ({', '.join(BUILTIN_SETS)}), a chat file "
-                                "(ShareGPT/OpenAI JSON or JSONL) nor a prepared dataset folder")
+                raise EyasError(f"--prompts {part!r} is neither a built-in set ({', '.join(BUILTIN_SETS)}), "
+                                "a chat file (ShareGPT/OpenAI JSON or JSONL) nor a prepared dataset folder")
     if not sets:
         raise EyasError("--prompts is empty: give mtbench, humaneval, a chat file or a prepared dataset folder")
     return sets

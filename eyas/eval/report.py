@@ -41,7 +41,8 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
     who = "".join(f"{k} `{meta[k]}`, " for k in ("target", "draft") if meta.get(k))
     lines.append(f"{who}temperature "
                  f"{meta.get('temperature')}, top-p {meta.get('top_p')}, max new tokens {meta.get('max_new_tokens')}, "
-                 f"{meta.get('device')} {meta.get('gpu') or ''} {meta.get('dtype')}, engine {meta.get('engine', 'hf')}.")
+                 f"{meta.get('device')} {meta.get('gpu') or ''} {meta.get('dtype')}, "
+                 f"backend {meta.get('backend', meta.get('engine', 'hf'))}.")  # reports before the rename: "engine"
     lines += ["", "tau counts the bonus token (EAGLE's acceptance length; vLLM's mean acceptance length). "
               "Speedup is against the target alone on the same prompts in the same run.", ""]
     others = [(name, other.table()) for name, other in compare]
@@ -59,13 +60,14 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
         for method, m in stats.items():
             ident = m["identical_to_target"]
             ident_s = "–" if ident is None else f"{ident:.0%} of {m['compared']}"
-            row = (f"| {method} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_target_forward'])} | {_fmt(m['tok_s'], '.1f')} "
-                   f"| {_fmt(m['speedup'])}{'x' if m['speedup'] else ''} | "
+            row = (f"| {method} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_target_forward'])} "
+                   f"| {_fmt(m['tok_s'], '.1f')} | {_fmt(m['speedup'])}{'x' if m['speedup'] else ''} | "
                    f"{ident_s} |")
             for _, otable in others:
                 o = otable.get(set_name, {}).get(method)
                 ot = o["tau"] if o else None
-                row += f" {_fmt(ot)} | {_fmt(m['tau'] - ot if (m['tau'] is not None and ot is not None) else None, '+.2f')} |"
+                dtau = m["tau"] - ot if (m["tau"] is not None and ot is not None) else None
+                row += f" {_fmt(ot)} | {_fmt(dtau, '+.2f')} |"
             lines.append(row)
         lines.append("")
     overall = table["all"]
@@ -77,7 +79,8 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
                   "| method | " + " | ".join(f"j={j}" for j in range(1, width + 1)) + " |",
                   "| --- |" + " ---: |" * width]
         for k, v in spec:
-            cells = [f"{r:.2f} ({_fmt(c)})" for r, c in zip(v["accept_rate_by_pos"], v["accept_cond_by_pos"], strict=False)]
+            cells = [f"{r:.2f} ({_fmt(c)})"
+                     for r, c in zip(v["accept_rate_by_pos"], v["accept_cond_by_pos"], strict=False)]
             lines.append(f"| {k} | " + " | ".join(cells + [""] * (width - len(cells))) + " |")
         lines.append("")
     differs = [k for k, v in overall.items() if v["identical_to_target"] not in (None, 1.0)]
@@ -245,7 +248,7 @@ def write_report(result: EvalResult, out_dir: str | Path, label: str = "this run
     atomic_write_text(out / "report.md", markdown_summary(result, label, compare))
     try:
         _plt()
-    except ImportError:  # matplotlib is a dependency, but an engine's own venv may lack it: JSON + Markdown still
+    except ImportError:  # matplotlib is a dependency, but a backend's own venv may lack it: JSON + Markdown still
         atomic_write_text(out / "report.md", markdown_summary(result, label, compare)
                           + "\n(no plots: matplotlib is not installed in this environment)\n")
         return out

@@ -72,7 +72,8 @@ class EvalResult:
 def check_draft_fits(draft: Eagle3Draft, target_model: torch.nn.Module) -> None:
     """Refuse a draft trained for another target with a message that says what differs."""
     cfg = draft.config
-    tcfg = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") else target_model.config
+    tcfg = target_model.config
+    tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
     problems = []
     if cfg.vocab_size != tcfg.vocab_size:
         problems.append(f"vocab {cfg.vocab_size} vs the target's {tcfg.vocab_size}")
@@ -145,96 +146,153 @@ def evaluate_draft(
     target = HFTarget(target_model, list(draft.config.aux_layer_ids))
     stops = stop_token_ids(target_model, tokenizer) if stop_ids is None else set(stop_ids)
     decoder = SpeculativeDecoder(target, draft, stops)
-    dev = target.device
-    greedy = temperature <= 0
-    names = [m.name for m in methods]
-    result = EvalResult(
-        meta={"target": getattr(target_model.config, "_name_or_path", "") or draft.config.target,
-              "draft": "",
-              "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
-              "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-              "dtype": str(target.dtype).replace("torch.", ""), "draft_dtype": str(decoder.draft_dtype).replace("torch.", ""),
-              "torch": torch.__version__, "host": platform.node(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "chain": [m.k for m in methods if isinstance(m, ChainSpec)],
-              "tree": [m.name for m in methods if isinstance(m, TreeSpec)], "engine": "hf"},
-        methods=names,
-    )
+    result = EvalResult(meta=_meta(target_model, draft, target, decoder, methods, temperature, top_p, max_new_tokens,
+                                   seed),
+                        methods=[m.name for m in methods])
     limit = _max_positions(target_model) - max_new_tokens - max([m.max_accept if isinstance(m, ChainSpec) else m.total
                                                                  for m in methods] + [0]) - 2
-    done = done or {}
-
-    def run(method: Method | None, ids: list[int], gen_seed: int, n_new: int) -> Generation:
-        g = torch.Generator(device=dev).manual_seed(gen_seed) if not greedy else None
-        if method is None:
-            return target_generate(target, ids, n_new, temperature, top_p, stops, g)
-        return decoder.generate(ids, method, n_new, temperature, top_p, g)
-
+    run = _Evaluation(target, decoder, tokenizer, methods, result, temperature, top_p, stops, max_new_tokens,
+                      baseline, seed, limit, done or {}, on_record)
     try:
-        first = next((it for s in sets for it in s.items), None)
-        if (dev.type == "cuda" if warmup is None else warmup) and first is not None:
-            ids = first.token_ids or render_prompt(tokenizer, [{"role": "user", "content": first.turns[0]}])
-            for m in [None, *methods]:  # kernels, allocator and autotuning settle before timing
-                run(m, ids[:limit], seed, min(16, max_new_tokens))
-        skipped = 0
+        if (target.device.type == "cuda") if warmup is None else warmup:
+            run.warm_up(sets)
         total = sum(s.num_turns for s in sets) * (len(methods) + int(baseline))
         with progress_bar(disable=None if progress is None else not progress) as bar:
-            task = bar.add_task("eval", total=total, tokens=0, info="")
-            tokens = 0
+            run.bar, run.task = bar, bar.add_task("eval", total=total, tokens=0, info="")
             for pset in sets:
-                stats = {BASELINE: MethodStats(BASELINE, 0)} if baseline else {}
-                stats.update({m.name: MethodStats(m.name, m.max_accept) for m in methods})
-                result.sets[pset.name] = stats
-                for item_idx, item in enumerate(pset.items):
-                    messages = [{"role": "system", "content": item.system}] if item.system else []
-                    turns = [None] if item.token_ids is not None else item.turns
-                    for turn_idx, turn in enumerate(turns):
-                        if item.token_ids is not None:
-                            ids = list(item.token_ids)
-                        else:
-                            messages.append({"role": "user", "content": turn})
-                            ids = render_prompt(tokenizer, messages)
-                        if len(ids) > limit:
-                            skipped += 1
-                            bar.advance(task, len(methods) + int(baseline))
-                            break  # later turns would be longer still
-                        gen_seed = seed + 7919 * item_idx + 104729 * turn_idx
-                        reference: list[int] | None = None
-                        answer_text: str | None = None
-                        for m_idx, m in enumerate([None, *methods] if baseline else methods):
-                            name = m.name if m is not None else BASELINE
-                            key = (pset.name, item.id, turn_idx, name)
-                            if key in done:
-                                rec = done[key]
-                                stats[name].add_record(rec)
-                                result.records.append(rec)
-                                if answer_text is None and rec.get("answer") is not None:
-                                    answer_text = rec["answer"]
-                                if reference is None and m is None:
-                                    reference = rec.get("answer_ids")
-                                bar.advance(task)
-                                continue
-                            gen = run(m, ids, gen_seed + m_idx, max_new_tokens)
-                            if reference is None and m is None:
-                                reference = gen.tokens
-                            identical = (gen.tokens == reference) if (greedy and m is not None and reference is not None
-                                                                      ) else None
-                            stats[name].add(gen, identical)
-                            rec = record_of(pset.name, item.id, turn_idx, name, gen, 0 if m is None else m.max_accept,
-                                            identical, len(ids))
-                            if answer_text is None and tokenizer is not None:
-                                answer_text = tokenizer.decode(gen.tokens, skip_special_tokens=True)
-                                rec["answer"], rec["answer_ids"] = answer_text, gen.tokens
-                            result.records.append(rec)
-                            if on_record is not None:
-                                on_record(rec)
-                            tokens += gen.new_tokens
-                            taus = " ".join(f"{n}: tau {s.tau:.2f}" for n, s in stats.items() if s.tau is not None)
-                            bar.update(task, advance=1, tokens=tokens, info=f"{pset.name} {taus}")
-                        messages.append({"role": "assistant", "content": answer_text or ""})
-        result.meta["skipped_too_long"] = skipped
+                run.prompt_set(pset)
+        result.meta["skipped_too_long"] = run.skipped
     finally:
         target.close()
     return result
+
+
+def _meta(target_model: torch.nn.Module, draft: Eagle3Draft, target: HFTarget, decoder: SpeculativeDecoder,
+          methods: list[Method], temperature: float, top_p: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """The settings and machine a report's numbers were measured with."""
+    dev = target.device
+    return {"target": getattr(target_model.config, "_name_or_path", "") or draft.config.target,
+            "draft": "",
+            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
+            "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "draft_dtype": str(decoder.draft_dtype).replace("torch.", ""),
+            "torch": torch.__version__, "host": platform.node(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "chain": [m.k for m in methods if isinstance(m, ChainSpec)],
+            "tree": [m.name for m in methods if isinstance(m, TreeSpec)], "backend": "hf"}
+
+
+@dataclass
+class _Evaluation:
+    """What every generation of one `evaluate_draft` call shares: the decoders, the settings, the records to
+    resume from, and the result and progress bar being filled."""
+
+    target: HFTarget
+    decoder: SpeculativeDecoder
+    tokenizer: Any
+    methods: list[Method]
+    result: EvalResult
+    temperature: float
+    top_p: float
+    stops: set[int]
+    max_new_tokens: int
+    baseline: bool
+    seed: int
+    limit: int  # the longest prompt that leaves room for max_new_tokens and the longest speculation
+    done: dict[tuple, dict[str, Any]]
+    on_record: Callable[[dict[str, Any]], None] | None
+    bar: Any = None
+    task: Any = None
+    skipped: int = 0  # turns (and the later turns of their prompt) too long for the target
+    tokens: int = 0  # new tokens generated in this call (resumed records excluded), for the progress bar
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def generate(self, method: Method | None, ids: list[int], gen_seed: int, n_new: int) -> Generation:
+        """One generation with a method, or with the target alone (method None)."""
+        g = torch.Generator(device=self.target.device).manual_seed(gen_seed) if not self.greedy else None
+        if method is None:
+            return target_generate(self.target, ids, n_new, self.temperature, self.top_p, self.stops, g)
+        return self.decoder.generate(ids, method, n_new, self.temperature, self.top_p, g)
+
+    def warm_up(self, sets: list[PromptSet]) -> None:
+        """A short generation of every method on the first prompt: kernels, allocator and autotuning settle
+        before anything is timed."""
+        first = next((it for s in sets for it in s.items), None)
+        if first is None:
+            return
+        ids = first.token_ids or render_prompt(self.tokenizer, [{"role": "user", "content": first.turns[0]}])
+        for m in [None, *self.methods]:
+            self.generate(m, ids[:self.limit], self.seed, min(16, self.max_new_tokens))
+
+    def prompt_set(self, pset: PromptSet) -> None:
+        stats = {BASELINE: MethodStats(BASELINE, 0)} if self.baseline else {}
+        stats.update({m.name: MethodStats(m.name, m.max_accept) for m in self.methods})
+        self.result.sets[pset.name] = stats
+        for item_idx, item in enumerate(pset.items):
+            self.prompt(pset.name, stats, item_idx, item)
+
+    def prompt(self, set_name: str, stats: dict[str, MethodStats], item_idx: int, item: PromptItem) -> None:
+        """Every turn of one prompt, each asked after the target's answer to the turn before."""
+        messages = [{"role": "system", "content": item.system}] if item.system else []
+        turns = [None] if item.token_ids is not None else item.turns
+        for turn_idx, turn in enumerate(turns):
+            if item.token_ids is not None:
+                ids = list(item.token_ids)
+            else:
+                messages.append({"role": "user", "content": turn})
+                ids = render_prompt(self.tokenizer, messages)
+            if len(ids) > self.limit:
+                self.skipped += 1
+                self.bar.advance(self.task, len(self.methods) + int(self.baseline))
+                break  # later turns would be longer still
+            answer = self.turn(set_name, stats, item_idx, item.id, turn_idx, ids)
+            messages.append({"role": "assistant", "content": answer or ""})
+
+    def turn(self, set_name: str, stats: dict[str, MethodStats], item_idx: int, item_id: str, turn_idx: int,
+             ids: list[int]) -> str | None:
+        """The target alone, then each method, on one turn's prompt; returns the target's answer text."""
+        gen_seed = self.seed + 7919 * item_idx + 104729 * turn_idx
+        reference: list[int] | None = None  # the target's tokens, which greedy methods must reproduce
+        answer: str | None = None
+        for m_idx, m in enumerate([None, *self.methods] if self.baseline else self.methods):
+            name = m.name if m is not None else BASELINE
+            key = (set_name, item_id, turn_idx, name)
+            if key in self.done:
+                rec = self.done[key]
+                stats[name].add_record(rec)
+                self.result.records.append(rec)
+                if reference is None and m is None:
+                    reference = rec.get("answer_ids")
+                self.bar.advance(self.task)
+            else:
+                gen = self.generate(m, ids, gen_seed + m_idx, self.max_new_tokens)
+                if reference is None and m is None:
+                    reference = gen.tokens
+                rec = self.record(set_name, stats, item_id, turn_idx, m, ids, gen, reference, answer is None)
+            if answer is None and rec.get("answer") is not None:
+                answer = rec["answer"]
+        return answer
+
+    def record(self, set_name: str, stats: dict[str, MethodStats], item_id: str, turn_idx: int, m: Method | None,
+               ids: list[int], gen: Generation, reference: list[int] | None, with_answer: bool) -> dict[str, Any]:
+        """Count a new generation, record it (with the answer text if `with_answer`) and show it on the bar."""
+        name = m.name if m is not None else BASELINE
+        identical = (gen.tokens == reference) if (self.greedy and m is not None and reference is not None) else None
+        stats[name].add(gen, identical)
+        rec = record_of(set_name, item_id, turn_idx, name, gen, 0 if m is None else m.max_accept, identical, len(ids))
+        if with_answer and self.tokenizer is not None:
+            rec["answer"] = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+            rec["answer_ids"] = gen.tokens
+        self.result.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+        self.tokens += gen.new_tokens
+        taus = " ".join(f"{n}: tau {s.tau:.2f}" for n, s in stats.items() if s.tau is not None)
+        self.bar.update(self.task, advance=1, tokens=self.tokens, info=f"{set_name} {taus}")
+        return rec
 
 
 @torch.inference_mode()

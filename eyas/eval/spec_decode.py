@@ -187,8 +187,8 @@ class SpeculativeDecoder:
             t = self.d2t_ids[d]
             tokens.append(t)
             if j < k - 1:
-                hidden, step_logits = self._draft_step(t.view(1, 1), hidden, torch.full((1, 1), L + j, device=self.device),
-                                                       cache)
+                hidden, step_logits = self._draft_step(t.view(1, 1), hidden,
+                                                       torch.full((1, 1), L + j, device=self.device), cache)
                 logits = step_logits[0]
         cache.crop(L)
         draft_tokens = torch.stack(tokens)

@@ -3,7 +3,8 @@ and the aux-layer hidden states the draft needs, captured during the same forwar
 
 Aux id k is the input of decoder layer k (transformers' `hidden_states[k]`,
 docs/architecture.md): a forward pre-hook on layer k records it, so no extra pass and no
-`output_hidden_states` over all layers.
+`output_hidden_states` over all layers. The layers are found as the hf engine finds them
+(`eyas.engines.decoder`), so eval hooks the very modules extraction and training hooked.
 """
 
 from __future__ import annotations
@@ -14,25 +15,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from eyas.engines.decoder import find_text_decoder
+from eyas.model.config import text_config
 from eyas.utils.io import EyasError
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The text decoder's layer list of a causal LM (plain, MoE, or wrapped in a multimodal model)."""
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    for root in (decoder, getattr(model, "model", None), getattr(getattr(model, "model", None), "language_model", None)):
-        layers = getattr(root, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    best = None
-    for name, module in model.named_modules():  # last resort: the longest ModuleList named *layers
-        if isinstance(module, nn.ModuleList) and name.endswith("layers") and (best is None or len(module) > len(best)):
-            best = module
-    if best is None:
-        raise EyasError(f"cannot find the decoder layers of {type(model).__name__}: eval supports transformers "
-                        "causal LMs whose decoder keeps its layers in a `layers` ModuleList")
-    return best
 
 
 class HFTarget:
@@ -44,7 +29,7 @@ class HFTarget:
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int]) -> None:
         self.model = model.eval()
-        self.layers = decoder_layers(model)
+        _, self.layers, _ = find_text_decoder(model)
         bad = [i for i in aux_layer_ids if not 0 <= i < len(self.layers)]
         if bad:
             raise EyasError(f"the draft's aux layer ids {bad} do not exist in a target with {len(self.layers)} "
@@ -56,7 +41,7 @@ class HFTarget:
                        for i in sorted(set(self.aux_layer_ids))]
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)
         self.vocab_size = int(cfg.vocab_size)
         self.hidden_size = int(cfg.hidden_size)
 

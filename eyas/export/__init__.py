@@ -1,26 +1,18 @@
-"""Serving layouts (vLLM, SGLang, speculators) and readers for foreign EAGLE-3 checkpoints."""
+"""Writing a draft in the layouts vLLM, SGLang and speculators serve. Reading any layout back is
+`eyas.model.checkpoints.import_draft` (train and eval read drafts without this package)."""
 
 from __future__ import annotations
 
-from eyas.export.formats import (
-    FORMATS,
-    LAYOUTS,
-    ExportOptions,
-    check_draft_target,
-    check_vocab_maps,
-    detect_layout,
+from eyas.export.writers import (
+    ServeOptions,
     export_draft,
     export_tensors,
-    import_draft,
-    read_config,
-    read_tensors,
     serve_readme,
     sglang_config,
     speculators_config,
-    target_embedding,
     vllm_config,
 )
+from eyas.model.layouts import FORMATS
 
-__all__ = ["FORMATS", "LAYOUTS", "ExportOptions", "check_draft_target", "check_vocab_maps", "detect_layout",
-           "export_draft", "export_tensors", "import_draft", "read_config", "read_tensors", "serve_readme",
-           "sglang_config", "speculators_config", "target_embedding", "vllm_config"]
+__all__ = ["FORMATS", "ServeOptions", "export_draft", "export_tensors", "serve_readme", "sglang_config",
+           "speculators_config", "vllm_config"]

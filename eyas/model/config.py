@@ -6,12 +6,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from eyas.utils.io import EyasError, atomic_write_json, sha256_json
+from eyas.utils.schema import option
 
 
-def _text_config(target_config: Any) -> Any:
+def text_config(target_config: Any) -> Any:
     """Multimodal wrappers keep the language model's settings in a sub-config."""
     get = getattr(target_config, "get_text_config", None)
     return get() if callable(get) else target_config
@@ -38,10 +39,38 @@ def target_rope(text_config: Any) -> tuple[float, dict | None]:
 
 def target_config_sha256(target_config: Any) -> str:
     """Fingerprint of the target's shape-defining settings: a draft for another target is refused."""
-    c = _text_config(target_config)
+    c = text_config(target_config)
     keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
             "intermediate_size", "max_position_embeddings")
     return sha256_json({k: getattr(c, k, None) for k in keys})
+
+
+@dataclass(kw_only=True)
+class DraftOptions:
+    """What draft to build for a target: the options of `eyas train` that shape it (the rest of its
+    config mirrors the target)."""
+
+    help_panel: ClassVar[str] = "Draft"
+
+    draft_vocab_size: int = option(32000, help="Draft vocabulary: the most frequent trained tokens (capped at the "
+                                   "target's vocabulary).")
+    draft_intermediate_size: int = option(0, help="Width of the draft layer's MLP; 0 = the target's. The engines "
+                                          "read it from the exported config.")
+    draft_layers: int = option(1, help="Decoder layers in the draft: EAGLE-3 has one; later ones are plain Llama "
+                               "layers over the hidden state (vLLM and speculators serve them, SGLang does not).")
+    fc_norm: bool = option(False, help="EAGLE-3.1: an RMSNorm on each aux layer's state before fc, so a late "
+                           "layer's large values do not drown an early one's (vLLM and speculators serve it).")
+    norm_output: bool = option(False, help="EAGLE-3.1: each training-time-test step reads the previous step's "
+                               "final-normed hidden state, not the raw one (vLLM and speculators serve it).")
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size < 1:
+            raise EyasError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
+        if self.draft_intermediate_size < 0:
+            raise EyasError(f"--draft-intermediate-size must be >= 0 (0 = the target's), got "
+                            f"{self.draft_intermediate_size}")
+        if self.draft_layers < 1:
+            raise EyasError(f"--draft-layers must be >= 1, got {self.draft_layers}")
 
 
 @dataclass
@@ -80,9 +109,15 @@ class DraftConfig:
         draft_vocab_size: int = 32000,
         target: str = "",
         max_position_embeddings: int | None = None,
+        *,
+        options: DraftOptions | None = None,
+        vocab_size: int | None = None,
     ) -> DraftConfig:
-        """Mirror the target's width, heads and rope; never fewer positions than the target has."""
-        c = _text_config(target_config)
+        """Mirror the target's width, heads and rope; never fewer positions than the target has.
+        `options` (the user's draft options) override `draft_vocab_size` and shape the rest;
+        `vocab_size` is the target head's row count where it differs from the config's."""
+        c = text_config(target_config)
+        opts = options or DraftOptions(draft_vocab_size=draft_vocab_size)
         hidden = int(c.hidden_size)
         heads = int(c.num_attention_heads)
         kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
@@ -91,15 +126,18 @@ class DraftConfig:
             kv_heads = heads
         theta, scaling = target_rope(c)
         target_positions = int(getattr(c, "max_position_embeddings", 4096) or 4096)
-        vocab = int(c.vocab_size)
+        vocab = int(vocab_size or c.vocab_size)
         return cls(
             hidden_size=hidden,
-            intermediate_size=int(getattr(c, "intermediate_size", 4 * hidden)),
+            intermediate_size=opts.draft_intermediate_size or int(getattr(c, "intermediate_size", 4 * hidden)),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            draft_vocab_size=min(int(draft_vocab_size), vocab),
+            draft_vocab_size=min(opts.draft_vocab_size, vocab),
+            num_hidden_layers=opts.draft_layers,
+            fc_norm=opts.fc_norm,
+            norm_output=opts.norm_output,
             target_hidden_size=hidden,
             aux_layer_ids=[int(i) for i in aux_layer_ids],
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),

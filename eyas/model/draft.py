@@ -59,7 +59,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig, in_dim: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
@@ -146,7 +147,8 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.draft_vocab_size == cfg.vocab_size
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
+                             if cfg.draft_vocab_size == cfg.vocab_size
                              else torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self._init_rotary()
         self.reset_parameters()
@@ -225,7 +227,8 @@ class Eagle3Draft(nn.Module):
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise EyasError(f"vocab maps of shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not fit a draft "
-                            f"with draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
+                            f"with draft_vocab_size={self.config.draft_vocab_size}, "
+                            f"vocab_size={self.config.vocab_size}")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 

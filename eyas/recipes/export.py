@@ -1,64 +1,82 @@
 """Export a draft for serving with vLLM, SGLang or vLLM's speculators format; or import a foreign EAGLE-3 draft.
 
 Each export folder holds config.json, model.safetensors and a README.md with the exact serve
-command. `--format all` writes one sub-folder per engine. With `--import`, DRAFT may be any EAGLE-3
+command. `--format all` writes one sub-folder per layout. With `--import`, DRAFT may be any EAGLE-3
 checkpoint (EAGLE, SpecForge/SGLang, vLLM, speculators) and is written to --out in eyas' own layout,
 to evaluate it or continue training. A second run with the same inputs and options does nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import typer
 
 import eyas
-from eyas.engines.base import parse_layer_ids
-from eyas.export.formats import FORMATS, ExportOptions, export_draft, import_draft
-from eyas.utils.io import EyasError, fingerprint_path, read_json, sha256_json
+from eyas.export.writers import ServeOptions, export_draft
+from eyas.model.checkpoints import import_draft
+from eyas.model.layouts import FORMATS
+from eyas.utils.io import EyasError, fingerprint_path, sha256_json
+from eyas.utils.resume import up_to_date
+from eyas.utils.schema import cli_command, option
 
 
-def _up_to_date(out: Path, options_sha256: str) -> bool:
-    manifest = out / "manifest.json"
-    if not (manifest.is_file() and (out / "config.json").is_file() and (out / "model.safetensors").is_file()):
-        return False
-    try:
-        return read_json(manifest).get("options_sha256") == options_sha256
-    except (OSError, ValueError):
-        return False
+@dataclass(kw_only=True)
+class ExportOptions:
+    """`eyas export`'s options: the command line and the `export:` section of an `eyas run` config."""
+
+    draft: Path = option(help="Draft checkpoint folder: eyas' layout (OUT/draft, or a training checkpoint "
+                         "OUT/train_state/step-N), or any EAGLE-3 layout eyas reads.")
+    format: Literal["vllm", "sglang", "speculators", "all"] = option("vllm", short="-f", help="Serving layout; all "
+                                                                      "writes one sub-folder per layout.")
+    out: Path = option(short="-o", help="Output folder (with --format all, one sub-folder per format).")
+    verifier: str | None = option(None, show_default="the target recorded at training",
+                                  help="The target's hub id or path as the serving engine should load it.")
+    model: Path | None = option(None, show_default="none", help="Target model folder: the draft is checked against "
+                                "it; it supplies an embedding or layer count a foreign checkpoint lacks.")
+    dtype: Literal["bfloat16", "float16", "float32"] = option("bfloat16", help="Floating-point weights' dtype.")
+    num_speculative_tokens: int = option(3, short="-k", help="Draft tokens per step written in configs and README.")
+    embedding: bool = option(True, help="Include the embedding (without it the engine uses the target's).")
+    import_: bool = option(False, flag="--import", help="Import DRAFT (EAGLE, SpecForge, SGLang, vLLM, speculators) "
+                           "into eyas' own layout at --out instead of exporting.")
+    layout: Literal["auto", "eyas", "vllm", "speculators", "sglang", "eagle"] = option(
+        "auto", help="Layout of DRAFT.")
+    aux_layers: list[int] | None = option(None, comma=True, show_default="from the checkpoint",
+                                          help="Override the aux layers, e.g. 2,15,27 (input of decoder layer k).")
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise EyasError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
 
 
-def run_export(draft: str | Path, fmt: str, out: str | Path, verifier: str | None = None,
-               target: str | Path | None = None, dtype: str = "bfloat16", num_speculative_tokens: int = 3,
-               include_embedding: bool = True, layout: str = "auto",
-               aux_layer_ids: list[int] | None = None, log=print) -> list[Path]:
-    """Export the draft at `draft` in `fmt` (or "all") under `out`; returns the folders written or reused."""
-    draft, out = Path(draft), Path(out)
-    formats = list(FORMATS) if fmt == "all" else [fmt]
-    if fmt != "all" and fmt not in FORMATS:
-        raise EyasError(f"unknown --format {fmt!r}: choose one of {', '.join(FORMATS)} or all")
-    model = import_draft(draft, target=target, aux_layer_ids=aux_layer_ids, layout=layout)
-    options = ExportOptions(verifier=verifier, dtype=dtype, num_speculative_tokens=num_speculative_tokens,
-                            include_embedding=include_embedding)
+def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
+    """Export the draft in `opts.format` (or all) under `opts.out`; returns the folders written or reused."""
+    draft, out = Path(opts.draft), Path(opts.out)
+    formats = list(FORMATS) if opts.format == "all" else [opts.format]
+    model = import_draft(draft, target=opts.model, aux_layer_ids=opts.aux_layers, layout=opts.layout)
+    serve = ServeOptions(verifier=opts.verifier, dtype=opts.dtype, num_speculative_tokens=opts.num_speculative_tokens,
+                         include_embedding=opts.embedding)
     fingerprint = fingerprint_path(draft)
     written = []
     for f in formats:
-        dest = out / f if fmt == "all" else out
-        opts = {"draft": fingerprint, "format": f, "verifier": verifier, "target": str(target) if target else None,
-                "dtype": dtype, "num_speculative_tokens": num_speculative_tokens,
-                "include_embedding": include_embedding, "layout": layout, "aux_layer_ids": aux_layer_ids,
-                "eyas_version": eyas.__version__}
-        options_sha256 = sha256_json(opts)
-        if _up_to_date(dest, options_sha256):
+        dest = out / f if opts.format == "all" else out
+        options = {"draft": fingerprint, "format": f, "verifier": opts.verifier,
+                   "target": str(opts.model) if opts.model else None, "dtype": opts.dtype,
+                   "num_speculative_tokens": opts.num_speculative_tokens, "include_embedding": opts.embedding,
+                   "layout": opts.layout, "aux_layer_ids": opts.aux_layers, "eyas_version": eyas.__version__}
+        options_sha256 = sha256_json(options)
+        if up_to_date(dest / "manifest.json", options_sha256, dest / "config.json", dest / "model.safetensors"):
             log(f"{f}: {dest} is up to date")
             written.append(dest)
             continue
         manifest = {"format": "eyas.export/1", "engine": f, "draft": str(draft.absolute()),
-                    "draft_sha256": fingerprint, "options": opts, "options_sha256": options_sha256}
+                    "draft_sha256": fingerprint, "options": options, "options_sha256": options_sha256}
         try:
-            export_draft(model, dest, f, options, manifest=manifest)
+            export_draft(model, dest, f, serve, manifest=manifest)
         except EyasError as e:
-            if fmt != "all":
+            if opts.format != "all":
                 raise
             log(f"{f}: skipped: {e}")
             continue
@@ -69,43 +87,18 @@ def run_export(draft: str | Path, fmt: str, out: str | Path, verifier: str | Non
     return written
 
 
-def run_import(src: str | Path, out: str | Path, target: str | Path | None = None, layout: str = "auto",
-               aux_layer_ids: list[int] | None = None, log=print) -> Path:
-    """Read a foreign EAGLE-3 checkpoint and write it to `out` in eyas' own layout (contract 3)."""
-    model = import_draft(src, target=target, aux_layer_ids=aux_layer_ids, layout=layout)
-    model.save_pretrained(out)
+def run_import(opts: ExportOptions, log: Any = print) -> Path:
+    """Read a foreign EAGLE-3 checkpoint and write it to `opts.out` in eyas' own layout (contract 3)."""
+    model = import_draft(opts.draft, target=opts.model, aux_layer_ids=opts.aux_layers, layout=opts.layout)
+    model.save_pretrained(opts.out)
     cfg = model.config
-    log(f"imported {src} -> {out}: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}/{cfg.vocab_size}, "
-        f"aux layers {cfg.aux_layer_ids} (input of decoder layer k)")
-    return Path(out)
+    log(f"imported {opts.draft} -> {opts.out}: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}/"
+        f"{cfg.vocab_size}, aux layers {cfg.aux_layer_ids} (input of decoder layer k)")
+    return Path(opts.out)
 
 
-def cli(
-    draft: Path = typer.Argument(..., help="Draft checkpoint folder: eyas' layout (OUT/draft, or a training "
-                              "checkpoint OUT/train_state/step-N), or any EAGLE-3 layout eyas reads."),
-    format: str = typer.Option("vllm", "--format", "-f", help="vllm, sglang, speculators or all. Default: vllm."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output folder (with --format all, one sub-folder per format)."),
-    verifier: str = typer.Option(None, "--verifier", help="The target's HF id or path as the engine should load it. "
-                                 "Default: the target recorded at training."),
-    target: Path = typer.Option(None, "--target", help="Target model folder: the draft is checked against it; it "
-                                "supplies an embedding or layer count a foreign checkpoint lacks. Default: none."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32 for the weights. "
-                              "Default: bfloat16."),
-    num_speculative_tokens: int = typer.Option(3, "--num-speculative-tokens", "-k",
-                                               help="Draft tokens per step written in configs and README. Default: 3."),
-    no_embedding: bool = typer.Option(False, "--no-embedding", help="Leave the embedding out (the engine uses the "
-                                      "target's). Default: included."),
-    import_: bool = typer.Option(False, "--import", help="Import DRAFT (EAGLE, SpecForge, SGLang, vLLM, speculators) "
-                                 "into eyas' own layout at --out instead of exporting."),
-    layout: str = typer.Option("auto", "--layout", help="Layout of DRAFT: auto, eyas, vllm, speculators, sglang, "
-                               "eagle. Default: auto."),
-    aux_layer_ids: str = typer.Option(None, "--aux-layer-ids", help="Override the aux layers, e.g. 2,15,27 (input of "
-                                      "decoder layer k). Default: from the checkpoint."),
-) -> None:
-    ids = parse_layer_ids(aux_layer_ids, "--aux-layer-ids")
-    if import_:
-        run_import(draft, out, target=target, layout=layout, aux_layer_ids=ids, log=typer.echo)
-        return
-    run_export(draft, format, out, verifier=verifier, target=target, dtype=dtype,
-               num_speculative_tokens=num_speculative_tokens, include_embedding=not no_embedding, layout=layout,
-               aux_layer_ids=ids, log=typer.echo)
+def _command(opts: ExportOptions) -> None:
+    (run_import if opts.import_ else run_export)(opts, log=typer.echo)
+
+
+cli = cli_command(ExportOptions, _command)

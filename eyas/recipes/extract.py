@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -27,11 +28,10 @@ import typer
 from eyas.engines.base import (
     TargetEngine,
     default_aux_layer_ids,
-    parse_layer_ids,
     plan_batches,
     validate_aux_layer_ids,
 )
-from eyas.store.store import (
+from eyas.store import (
     HiddenStore,
     ShardBuffer,
     ShardSpec,
@@ -45,8 +45,10 @@ from eyas.store.store import (
     quantize_fp8,
     verify_store,
 )
-from eyas.utils.io import EyasError, human_bytes, read_json, sha256_file, sha256_json
+from eyas.utils.io import EyasError, human_bytes, sha256_file, sha256_json
 from eyas.utils.progress import progress_bar
+from eyas.utils.resume import up_to_date
+from eyas.utils.schema import cli_command, option
 
 # ---------------------------------------------------------------------------------------------
 # distributed: plain torchrun env vars; a gloo group only for barriers (no tensors move between ranks)
@@ -211,92 +213,139 @@ def default_token_budget(device: torch.device, hidden_size: int) -> int:
     return min(65536, 16384 * max(1, 4096 // max(1, hidden_size)))
 
 
-def run_extract(
-    prepared: str | os.PathLike,
-    out: str | os.PathLike,
-    model: str | Any = "smollm2",
-    engine: str = "hf",
-    aux_layer_ids: list[int] | None = None,
-    dtype: str = "auto",
-    token_budget: int = 0,
-    max_samples: int = 0,
-    fp8: bool = False,
-    tp: int = 1,
-    device: str = "auto",
-    device_map: str | None = None,
-    shard_mb: float = 512,
-    trust_remote_code: bool = False,
-    dataset: Any = None,
-    engine_obj: TargetEngine | None = None,
-    on_shard: Callable[[ShardSpec], None] | None = None,
-    stats: dict | None = None,
-) -> Path:
-    """Extract hidden states into the store at `out` (or reuse an up-to-date one). Returns `out`.
+@dataclass(kw_only=True)
+class ExtractOptions:
+    """`eyas extract`'s options: the command line and the `extract:` section of an `eyas run` config."""
+
+    prepared: Path | None = option(None, help="Prepared dataset folder (from `eyas prepare`).")
+    out: Path = option(help="Store folder to write (OUT.partial/ holds an unfinished run).")
+    model: str = option("smollm2", help="Target: a transformers folder, a hub id in the local cache, or `smollm2` "
+                        "(the embedded default).")
+    engine: Literal["hf", "vllm"] = option("hf", help="What runs the target: hf (transformers in this process) or "
+                                           "vllm (tensor parallel with --tp).")
+    aux_layers: list[int] | None = option(None, comma=True, show_default="2,N//2,N-3",
+                                          help="Aux layer ids in layer order (id k = input of decoder layer k).")
+    dtype: str = option("auto", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32. States are "
+                        "stored as bfloat16 (or fp8).")
+    token_budget: int = option(0, help="Padded tokens per forward batch; 0 = 16384 on GPU (up to 65536 for small "
+                               "targets), 4096 on CPU.")
+    max_samples: int = option(0, help="Extract only the first N samples; 0 = all.")
+    verify: bool = option(False, help="Check every shard's sha256 against the manifest (alone, with just --out, or "
+                          "after extracting).")
+    fp8: bool = option(False, help="Store float8_e4m3fn with per-token scales (half the disk).")
+    tp: int = option(1, help="Tensor-parallel GPUs (vllm engine).")
+    device: str = option("auto", help="auto (this rank's GPU, else CPU), cpu, cuda:N.")
+    device_map: str | None = option(None, help="`auto` spreads a large target over this node's GPUs (hf engine).",
+                                    show_default="none")
+    shard_mb: float = option(512, help="Target shard size in MiB.")
+    trust_remote_code: bool = option(False, help="Let transformers / vLLM run the model repository's code.")
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 0 or self.max_samples < 0 or self.tp < 1 or self.shard_mb <= 0:
+            raise EyasError("--token-budget and --max-samples must be >= 0, --tp >= 1 and --shard-mb > 0")
+        if self.device_map is not None and self.engine != "hf":
+            raise EyasError("--device-map is for the hf engine; the vllm engine spreads a target with --tp")
+
+
+def run_extract(opts: ExtractOptions, *, dataset: Any = None, engine_obj: TargetEngine | None = None,
+                on_shard: Callable[[ShardSpec], None] | None = None, stats: dict | None = None) -> Path:
+    """Extract hidden states into the store at `opts.out` (or reuse an up-to-date one). Returns it.
 
     `dataset` (anything with len, .lengths and [i] -> {input_ids, loss_mask}) overrides reading
-    `prepared`; `engine_obj` overrides building an engine; `on_shard` is called after each shard
-    is on disk (tests use it to simulate a crash); `stats` receives this rank's tokens, seconds
-    (first batch to last shard on disk), bytes written and total seconds (benchmarks read it).
+    `opts.prepared`; `engine_obj` overrides building an engine (and decides the target and layers);
+    `on_shard` is called after each shard is on disk (tests use it to simulate a crash); `stats`
+    receives this rank's tokens, seconds (first batch to last shard on disk), bytes written and total
+    seconds (benchmarks read it).
     """
     t_start = time.perf_counter()
-    from eyas.assets import resolve_model
-
-    out = Path(out)
-    ranks = Ranks()
-    if dataset is None:
-        from eyas.data.prepared import PreparedDataset
-
-        dataset = PreparedDataset(prepared)
-    mfile = Path(prepared) / "manifest.json" if prepared else None
-    prepared_sha = sha256_file(mfile) if mfile is not None and mfile.is_file() else sha256_json(
-        np.asarray(dataset.lengths).tolist())
-    target = resolve_model(model) if isinstance(model, str) else model
-    if engine_obj is not None:  # an engine built by the caller decides the target and the layers
-        target_name = getattr(engine_obj, "model_name", str(model))
-        facts = target_facts(getattr(engine_obj, "model", target), engine_obj.aux_layer_ids, trust_remote_code)
-    else:
-        target_name = target if isinstance(target, str) else type(target).__name__
-        facts = target_facts(target, aux_layer_ids, trust_remote_code)
-    n = len(dataset) if not max_samples else min(max_samples, len(dataset))
-    if n == 0:
-        raise EyasError(f"{prepared}: the prepared dataset has no samples")
-    lengths = np.asarray(dataset.lengths, dtype=np.int64)[:n]
-    store_dtype = "float8_e4m3fn" if fp8 else "bfloat16"
-    options = {"prepared_sha256": prepared_sha, "target": target_name, "target_config_sha256": facts["config_sha256"],
-               "aux_layer_ids": facts["aux_layer_ids"], "dtype": store_dtype, "compute_dtype": str(dtype),
-               "num_samples": n, "engine": engine, "shard_mb": float(shard_mb)}
-    options_sha = sha256_json(options)
-
-    if (out / "manifest.json").is_file() and read_json(out / "manifest.json").get("options_sha256") == options_sha:
+    out, ranks = Path(opts.out), Ranks()
+    dataset = dataset if dataset is not None else _open_prepared(opts.prepared)
+    meta, lengths = plan_store(opts, dataset, engine_obj)
+    if up_to_date(out / "manifest.json", meta.options_sha256):
         ranks.log(f"store {out} is up to date (same inputs and options): reusing it")
         return out
-
-    vocab = int(getattr(facts["config"].get_text_config() if hasattr(facts["config"], "get_text_config")
-                        else facts["config"], "vocab_size", 0))
-    meta = StoreMeta(target=target_name, target_config_sha256=facts["config_sha256"], num_layers=facts["num_layers"],
-                     aux_layer_ids=facts["aux_layer_ids"], hidden_size=facts["hidden_size"], vocab_size=vocab,
-                     dtype=store_dtype, prepared=str(Path(prepared).resolve()) if prepared else "",
-                     prepared_sha256=prepared_sha, norm_eps=0.0, options_sha256=options_sha)
-    shard_bytes = max(1, int(shard_mb * (1 << 20)))
     if ranks.rank == 0:
-        plan = prepare_partial(out, meta, plan_shards(lengths, meta.bytes_per_token(), shard_bytes, ranks.world))
+        plan = prepare_partial(out, meta, plan_shards(lengths, meta.bytes_per_token(),
+                                                      max(1, int(opts.shard_mb * (1 << 20))), ranks.world))
     ranks.barrier()
     if ranks.rank != 0:
         plan = load_plan(out)
-
     # the engine: built after the cheap checks, so a bad option fails in a second, not after loading 100 GB
-    eng = engine_obj
-    if eng is None:
-        from eyas.engines import load_engine
+    eng = engine_obj or _load_engine(opts, meta.aux_layer_ids)
+    tokens, dt, writer = _extract(opts, eng, dataset, meta, lengths, plan, ranks, on_shard)
+    ranks.barrier()
+    if ranks.rank == 0:
+        head = eng.target_head()
+        meta.norm_eps, meta.norm_offset, meta.embed_scale = head.norm_eps, head.norm_offset, head.embed_scale
+        meta.vocab_size = head.vocab_size
+        writer.finalize(head)
+        ranks.log(f"store {out}: {len(lengths)} samples, {int(lengths.sum()):,} tokens, {len(plan)} shards")
+    ranks.barrier()
+    if engine_obj is None:
+        eng.close()
+    if stats is not None:
+        stats.update(tokens=tokens, seconds=dt, bytes=writer.bytes_written,
+                     total_seconds=time.perf_counter() - t_start)
+    return out
 
-        kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-        if engine == "hf":
-            kw["device_map"] = device_map
-        eng = load_engine(engine, target, aux_layer_ids=facts["aux_layer_ids"], dtype=dtype,
-                          device=device, tp=tp, **kw)
-    budget = token_budget or default_token_budget(getattr(eng, "device", torch.device("cpu")), facts["hidden_size"])
-    pin = getattr(eng, "device", torch.device("cpu")).type == "cuda"
-    writer = StoreWriter(out, meta, lengths, plan, ranks.rank, ranks.world, pin=pin, on_shard=on_shard)
+
+def _open_prepared(prepared: Path | None) -> Any:
+    if prepared is None:
+        raise EyasError("give --prepared DIR (the output of `eyas prepare`) to extract from")
+    from eyas.data.prepared import PreparedDataset
+
+    return PreparedDataset(prepared)
+
+
+def plan_store(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | None) -> tuple[StoreMeta, np.ndarray]:
+    """The store's metadata and fingerprint, and the lengths of the samples it will hold: everything
+    that decides whether an existing store is up to date, from configs only (no weights loaded)."""
+    from eyas.assets import resolve_model
+
+    mfile = Path(opts.prepared) / "manifest.json" if opts.prepared else None
+    prepared_sha = sha256_file(mfile) if mfile is not None and mfile.is_file() else sha256_json(
+        np.asarray(dataset.lengths).tolist())
+    if engine_obj is not None:  # an engine built by the caller decides the target and the layers
+        target_name = getattr(engine_obj, "model_name", opts.model)
+        facts = target_facts(engine_obj.model, engine_obj.aux_layer_ids, opts.trust_remote_code)
+    else:
+        target_name = resolve_model(opts.model)
+        facts = target_facts(target_name, opts.aux_layers, opts.trust_remote_code)
+    n = len(dataset) if not opts.max_samples else min(opts.max_samples, len(dataset))
+    if n == 0:
+        raise EyasError(f"{opts.prepared}: the prepared dataset has no samples")
+    store_dtype = "float8_e4m3fn" if opts.fp8 else "bfloat16"
+    options = {"prepared_sha256": prepared_sha, "target": target_name, "target_config_sha256": facts["config_sha256"],
+               "aux_layer_ids": facts["aux_layer_ids"], "dtype": store_dtype, "compute_dtype": str(opts.dtype),
+               "num_samples": n, "engine": opts.engine, "shard_mb": float(opts.shard_mb)}
+    text = facts["config"].get_text_config() if hasattr(facts["config"], "get_text_config") else facts["config"]
+    meta = StoreMeta(target=target_name, target_config_sha256=facts["config_sha256"], num_layers=facts["num_layers"],
+                     aux_layer_ids=facts["aux_layer_ids"], hidden_size=facts["hidden_size"],
+                     vocab_size=int(getattr(text, "vocab_size", 0)), dtype=store_dtype,
+                     prepared=str(Path(opts.prepared).resolve()) if opts.prepared else "",
+                     prepared_sha256=prepared_sha, norm_eps=0.0, options_sha256=sha256_json(options))
+    return meta, np.asarray(dataset.lengths, dtype=np.int64)[:n]
+
+
+def _load_engine(opts: ExtractOptions, aux_layer_ids: list[int]) -> TargetEngine:
+    from eyas.assets import resolve_model
+    from eyas.engines import load_engine
+
+    kw: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
+    if opts.engine == "hf":
+        kw["device_map"] = opts.device_map
+    return load_engine(opts.engine, resolve_model(opts.model), aux_layer_ids=aux_layer_ids, dtype=opts.dtype,
+                       device=opts.device, tp=opts.tp, **kw)
+
+
+def _extract(opts: ExtractOptions, eng: TargetEngine, dataset: Any, meta: StoreMeta, lengths: np.ndarray,
+             plan: list[ShardSpec], ranks: Ranks, on_shard: Any) -> tuple[int, float, StoreWriter]:
+    """Write this rank's shards; returns (tokens, seconds, the writer). Finished shards survive a crash."""
+    out = Path(opts.out)
+    device = getattr(eng, "device", torch.device("cpu"))
+    budget = opts.token_budget or default_token_budget(device, meta.hidden_size)
+    writer = StoreWriter(out, meta, lengths, plan, ranks.rank, ranks.world, pin=device.type == "cuda",
+                         on_shard=on_shard)
     try:
         if ranks.rank == 0:
             check_disk_for(writer, ranks.log)
@@ -317,57 +366,22 @@ def run_extract(
         raise
     typer.echo(f"rank {ranks.rank}: {tokens:,} tokens in {dt:.1f}s ({tokens / max(dt, 1e-9):,.0f} tok/s), "
                f"{human_bytes(writer.bytes_written)} written", err=True)
-    ranks.barrier()
-    if ranks.rank == 0:
-        head = eng.target_head()
-        meta.norm_eps, meta.norm_offset, meta.embed_scale = head.norm_eps, head.norm_offset, head.embed_scale
-        meta.vocab_size = head.vocab_size
-        writer.finalize(head)
-        ranks.log(f"store {out}: {n} samples, {int(lengths.sum()):,} tokens, {len(plan)} shards")
-    ranks.barrier()
-    if engine_obj is None:
-        eng.close()
-    if stats is not None:
-        stats.update(tokens=tokens, seconds=dt, bytes=writer.bytes_written,
-                     total_seconds=time.perf_counter() - t_start)
-    return out
+    return tokens, dt, writer
 
 
-def cli(
-    prepared: Path = typer.Option(None, "--prepared", help="Prepared dataset folder (from `eyas prepare`)."),
-    model: str = typer.Option("smollm2", "--model", help="Target: a transformers folder, a hub id in the local "
-                              "cache, or 'smollm2' (the embedded default). [default: smollm2]"),
-    out: Path = typer.Option(..., "--out", help="Store folder to write (OUT.partial/ holds an unfinished run)."),
-    engine: str = typer.Option("hf", "--engine", help="Target engine: hf (transformers) or vllm. [default: hf]"),
-    aux_layers: str = typer.Option("", "--aux-layers", help="Comma-separated aux layer ids (id k = input of decoder "
-                                   "layer k), in layer order (default: EAGLE-3's 2,N//2,N-3)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, "
-                              "float32. States are stored as bfloat16 (or fp8). [default: auto]"),
-    token_budget: int = typer.Option(0, "--token-budget", help="Padded tokens per forward batch; 0 = 16384 on GPU "
-                                     "(up to 65536 for small targets), 4096 on CPU. [default: 0]"),
-    max_samples: int = typer.Option(0, "--max-samples", help="Extract only the first N samples; 0 = all. [default: 0]"),
-    verify: bool = typer.Option(False, "--verify", help="Check every shard's sha256 against the manifest (alone, "
-                                "with just --out, or after extracting). [default: off]"),
-    fp8: bool = typer.Option(False, "--fp8", help="Store float8_e4m3fn with per-token scales (half the disk). "
-                             "[default: off]"),
-    tp: int = typer.Option(1, "--tp", help="Tensor parallel size (vllm engine). [default: 1]"),
-    device: str = typer.Option("auto", "--device", help="auto (this rank's GPU, else CPU), cpu, cuda:N. [default: auto]"),
-    device_map: str = typer.Option("", "--device-map", help="'auto' spreads a large target over this node's GPUs "
-                                   "(hf engine). [default: none]"),
-    shard_mb: float = typer.Option(512, "--shard-mb", help="Target shard size in MiB. [default: 512]"),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Let transformers run the model "
-                                           "repository's code. [default: off]"),
-) -> None:
-    if prepared is not None:
-        run_extract(prepared, out, model=model, engine=engine, aux_layer_ids=parse_layer_ids(aux_layers),
-                    dtype=dtype, token_budget=token_budget, max_samples=max_samples, fp8=fp8, tp=tp,
-                    device=device, device_map=device_map or None, shard_mb=shard_mb,
-                    trust_remote_code=trust_remote_code)
-    elif not verify:
+def run_extract_command(opts: ExtractOptions) -> None:
+    """The command: extract (with --prepared), then check the store's checksums (with --verify)."""
+    if opts.prepared is not None:
+        run_extract(opts)
+    elif not opts.verify:
         raise EyasError("give --prepared DIR to extract (or --verify to check an existing store at --out)")
-    if verify and int(os.environ.get("RANK", "0")) == 0:
-        if not (Path(out) / "manifest.json").is_file():
+    if opts.verify and int(os.environ.get("RANK", "0")) == 0:
+        out = Path(opts.out)
+        if not (out / "manifest.json").is_file():
             raise EyasError(f"{out}/manifest.json not found: nothing to verify")
         checked = verify_store(out)
         store = HiddenStore(out)
         typer.echo(f"store {out}: {checked} files OK ({len(store)} samples, {store.num_tokens:,} tokens)", err=True)
+
+
+cli = cli_command(ExtractOptions, run_extract_command)

@@ -13,18 +13,16 @@ no output. A second run with the same inputs and options reuses the output.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -34,26 +32,50 @@ from eyas.data.prepared import FORMAT, SHARD_TOKENS, PreparedDataset, PreparedWr
 from eyas.data.readers import BadRow, Row, SkipLog, Source, resolve_input
 from eyas.utils.io import EyasError, atomic_path, read_json, sha256_json
 from eyas.utils.progress import progress_bar
+from eyas.utils.schema import cli_command, option
 
 MASK_VERSION = 1  # bump when the mask algorithm changes: old outputs are then rebuilt, not reused
 CHUNK_ROWS = 256  # conversations per task: one batched tokenization call each
 console = Console(stderr=True)
 
 
-@dataclass
-class PrepareConfig:
-    inputs: list[str]
-    model: str = "smollm2"
-    out: Path = Path("data/prepared")
-    max_length: int = 2048
-    overlong: str = "truncate"  # truncate | drop
-    max_samples: int | None = None
-    num_workers: int | None = None  # None: one per CPU core
-    chat_template: Path | None = None  # a Jinja file replacing the tokenizer's template
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
-    trim_loops: int | None = None  # cut replies this many tokens after they start repeating (None: off)
-    force: bool = False
-    shard_tokens: int = SHARD_TOKENS
+@dataclass(kw_only=True)
+class PrepareOptions:
+    """`eyas prepare`'s options: the command line and the `prepare:` section of an `eyas run` config."""
+
+    inputs: list[str] = option(default_factory=list, positional=True,
+                               help="Chat files, saved datasets, hub names, or `sharegpt` / `dummy`.")
+    model: str = option("smollm2", short="-m", help="Target whose tokenizer and chat template to use: `smollm2`, "
+                        "a local folder or a hub id in the local cache.")
+    out: Path = option(Path("data/prepared"), short="-o", help="Output folder.")
+    max_length: int = option(2048, help="Longest sample in tokens.")
+    overlong: Literal["truncate", "drop"] = option("truncate", help="What happens to longer samples.")
+    max_samples: int | None = option(None, help="Stop after this many samples.", show_default="all")
+    num_workers: int | None = option(None, help="Worker processes (1: in-process).", show_default="one per CPU core")
+    chat_template: Path | None = option(None, help="A Jinja chat template file to use instead of the model's.",
+                                        show_default="the model's own")
+    template_kwargs: dict[str, Any] = option(default_factory=dict, show_default="none",
+                                             help='Chat template variables as a JSON object, e.g. '
+                                                  '\'{"enable_thinking": false}\'.')
+    trim_loops: int | None = option(None, show_default="off", help="Cut each reply this many tokens after it "
+                                    "starts repeating what the assistant already wrote (16 tokens again): for data "
+                                    "whose loops are an artefact the served target will not repeat, not for "
+                                    "self-distilled data.")
+    show: int = option(0, help="Then print this many samples with the trained tokens highlighted.")
+    force: bool = option(False, help="Rebuild even if the output is up to date.")
+    shard_tokens: int = option(SHARD_TOKENS, cli=False, help="Tokens per shard file.")
+
+    def __post_init__(self) -> None:
+        if self.overlong not in ("truncate", "drop"):
+            raise EyasError(f"--overlong must be 'truncate' or 'drop', not {self.overlong!r}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise EyasError(f"--max-samples must be at least 1, not {self.max_samples}")
+        if self.trim_loops is not None and self.trim_loops < 0:
+            raise EyasError(f"--trim-loops must be 0 or more tokens, not {self.trim_loops}")
+        if self.max_length < 2:
+            raise EyasError(f"--max-length must be at least 2, not {self.max_length}")
+        if self.show < 0:
+            raise EyasError(f"--show must be 0 or more samples, not {self.show}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,16 +238,8 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def prepare(cfg: PrepareConfig) -> Path:
+def prepare(cfg: PrepareOptions) -> Path:
     """Run the stage; returns the output folder (reused when inputs and options are unchanged)."""
-    if cfg.overlong not in ("truncate", "drop"):
-        raise EyasError(f"--overlong must be 'truncate' or 'drop', not {cfg.overlong!r}")
-    if cfg.max_samples is not None and cfg.max_samples < 1:
-        raise EyasError(f"--max-samples must be at least 1, not {cfg.max_samples}")
-    if cfg.trim_loops is not None and cfg.trim_loops < 0:
-        raise EyasError(f"--trim-loops must be 0 or more tokens, not {cfg.trim_loops}")
-    if cfg.max_length < 2:
-        raise EyasError(f"--max-length must be at least 2, not {cfg.max_length}")
     if not cfg.inputs:
         raise EyasError("no inputs: give chat files or dataset names, e.g. `eyas prepare sharegpt`")
     out = Path(cfg.out)
@@ -357,40 +371,18 @@ def show_samples(path: Path, n: int, tokenizer: Any, out: Console | None = None)
     out.rule("trained tokens: ⟦…⟧" if plain else "[bold black on green] trained tokens [/] highlighted")
 
 
-def cli(
-    inputs: list[str] = typer.Argument(None, help="Chat files, saved datasets, hub names, or `sharegpt` / `dummy`."),
-    model: str = typer.Option("smollm2", "--model", "-m", help="Target whose tokenizer and chat template to use: "
-                              "`smollm2`, an HF id or a local folder."),
-    out: Path = typer.Option(Path("data/prepared"), "--out", "-o", help="Output folder."),
-    max_length: int = typer.Option(2048, help="Longest sample in tokens."),
-    overlong: str = typer.Option("truncate", help="Longer samples: `truncate` or `drop`."),
-    max_samples: int = typer.Option(None, help="Stop after this many samples.", show_default="all"),
-    num_workers: int = typer.Option(None, help="Worker processes (1: in-process).", show_default="one per CPU core"),
-    show: int = typer.Option(0, help="Then print this many samples with the trained tokens highlighted."),
-    chat_template: Path = typer.Option(None, help="A Jinja chat template file to use instead of the model's.",
-                                       show_default="the model's own"),
-    template_kwargs: str = typer.Option(None, help='JSON object of chat template variables, e.g. '
-                                        '\'{"enable_thinking": false}\'.', show_default="none"),
-    trim_loops: int = typer.Option(None, help="Cut each reply this many tokens after it starts repeating what the "
-                                   "assistant already wrote (16 tokens again): for data whose loops are an artefact "
-                                   "the served target will not repeat. Not for self-distilled data: on SmolLM2's "
-                                   "it lowered MT-Bench tau (docs/benchmarks.md).", show_default="off"),
-    force: bool = typer.Option(False, "--force", help="Rebuild even if the output is up to date."),
-) -> None:
-    inputs = list(inputs or [])
-    try:
-        kwargs = json.loads(template_kwargs) if template_kwargs else {}
-    except json.JSONDecodeError as e:
-        raise EyasError(f"--template-kwargs is not valid JSON ({e.msg}): {template_kwargs}") from e
-    if not isinstance(kwargs, dict):
-        raise EyasError(f"--template-kwargs must be a JSON object, not {template_kwargs}")
-    if not inputs and show and (Path(out) / "manifest.json").is_file():
-        path = Path(out)  # just look at an existing output
+def run_prepare(opts: PrepareOptions) -> Path:
+    """The command: prepare (or, with only --show, look at an existing output), then show samples."""
+    out = Path(opts.out)
+    if not opts.inputs and opts.show and (out / "manifest.json").is_file():
+        path = out  # just look at an existing output
     else:
-        path = prepare(PrepareConfig(inputs=inputs, model=model, out=out, max_length=max_length, overlong=overlong,
-                                     max_samples=max_samples, num_workers=num_workers, chat_template=chat_template,
-                                     template_kwargs=kwargs, trim_loops=trim_loops, force=force))  # fmt: skip
-    if show:
+        path = prepare(opts)
+    if opts.show:
         manifest = read_json(path / "manifest.json")
         tokenizer, _ = load_tokenizer(manifest["tokenizer"])
-        show_samples(path, show, tokenizer)
+        show_samples(path, opts.show, tokenizer)
+    return path
+
+
+cli = cli_command(PrepareOptions, run_prepare)

@@ -1,11 +1,12 @@
 """Run the whole pipeline from one YAML config: prepare -> regenerate -> extract -> train -> export -> eval.
 
-Each stage writes into the run's work folder and is skipped when its output is up to date with its
-inputs and options (a changed option reruns that stage and everything after it). A killed run
-resumes where it stopped. The final report compares tau before and after training and says how to
-serve the draft with vLLM.
+Every section of the config is checked against its stage's options before any stage starts, so a
+wrong key or type fails in a second, not after an hour of extraction. Each stage writes into the run's
+work folder and is skipped when its output is up to date with its inputs and options (a changed
+option reruns that stage and everything after it). A killed run resumes where it stopped. The final
+report compares tau before and after training and says how to serve the draft with vLLM.
 
-Config sections are the stages' own command-line options (see `eyas STAGE --help`), e.g.
+Config sections are the stages' own options (see `eyas STAGE --help`), e.g.
 
     target: smollm2
     workdir: runs/smollm2
@@ -16,89 +17,137 @@ Config sections are the stages' own command-line options (see `eyas STAGE --help
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import typer
 import yaml
 from rich.console import Console
 
 from eyas.utils.io import EyasError, atomic_write_json, read_json, sha256_json
+from eyas.utils.resume import up_to_date
+from eyas.utils.schema import cli_command, from_mapping, option, to_mapping
 
 STAGES = ("prepare", "regenerate", "extract", "train", "export", "eval")
 console = Console(stderr=True)
 
 
-def stage_defaults(fn: Callable) -> dict[str, Any]:
-    """Defaults of a typer command function, unwrapped from typer's OptionInfo/ArgumentInfo."""
-    out = {}
-    for name, p in inspect.signature(fn).parameters.items():
-        default = p.default
-        if hasattr(default, "default"):  # typer.models.ParameterInfo
-            default = default.default
-        out[name] = None if default is ... or default is inspect.Parameter.empty else default
-    return out
+@dataclass(kw_only=True)
+class RunConfig:
+    """The top level of an `eyas run` config: the target, the work folder, and one section per stage."""
+
+    target: str = "smollm2"
+    workdir: Path | None = None
+    online: bool = False
+    prepare: dict[str, Any] = field(default_factory=dict)
+    regenerate: dict[str, Any] = field(default_factory=dict)
+    extract: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    export: dict[str, Any] = field(default_factory=dict)
+    eval: dict[str, Any] = field(default_factory=dict)
 
 
-def call_stage(stage: str, fn: Callable, options: dict[str, Any]) -> None:
-    """Call a stage's CLI function with config options, refusing unknown keys with the valid ones."""
-    defaults = stage_defaults(fn)
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise EyasError(f"config section '{stage}' has unknown option(s) {unknown}; valid: {sorted(defaults)}")
-    fn(**{**defaults, **options})
+@dataclass
+class Stage:
+    """One stage of a run: its validated options, the outputs that show it finished, and how to run it."""
+
+    name: str
+    options: Any
+    outputs: list[Path]
+    run: Callable[[], None]
 
 
-def load_config(path: Path) -> dict[str, Any]:
+def load_config(path: Path) -> RunConfig:
+    """The config file, parsed and checked at the top level (each section is checked by `plan_pipeline`)."""
     try:
-        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError as e:
         raise EyasError(f"cannot read config {path}: {e}") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise EyasError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from e
-    if not isinstance(cfg, dict):
+    if not isinstance(raw, dict):
         raise EyasError(f"{path}: the config must be a mapping of sections (target, workdir, prepare, ...)")
     allowed = {"target", "workdir", "online", *STAGES}
-    unknown = sorted(set(cfg) - allowed)
+    unknown = sorted(set(raw) - allowed)
     if unknown:
         raise EyasError(f"{path}: unknown top-level key(s) {unknown}; valid: {sorted(allowed)}")
-    return cfg
+    raw = {k: ({} if v is None and k in STAGES else v) for k, v in raw.items()}
+    return from_mapping(RunConfig, raw, str(path))
 
 
-class StageLedger:
-    """Remembers the options hash each stage last completed with, in WORKDIR/run_state.json."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.path = workdir / "run_state.json"
-        self.state: dict[str, str] = read_json(self.path) if self.path.is_file() else {}
-        self.upstream = ""
-
-    def run(self, stage: str, options: dict[str, Any], outputs: list[Path], fn: Callable[[], None]) -> bool:
-        key = sha256_json({"options": options, "upstream": self.upstream})
-        done = self.state.get(stage) == key and all(p.exists() for p in outputs)
-        if done:
-            console.print(f"[green]✓ {stage}[/] up to date, skipped")
-        else:
-            console.rule(f"[bold]{stage}")
-            t0 = time.time()
-            fn()
-            self.state[stage] = key
-            atomic_write_json(self.path, self.state)
-            console.print(f"[green]✓ {stage}[/] done in {time.time() - t0:.0f}s")
-        self.upstream = key
-        return not done
+def _section(cfg: RunConfig, path: Path, stage: str, cls: type, owned: dict[str, Any],
+             section: dict[str, Any] | None = None) -> Any:
+    """The stage's options from its section plus what the run itself sets (`owned`), checked as a whole."""
+    section = dict(getattr(cfg, stage) if section is None else section)
+    section.pop("enabled", None)
+    taken = sorted(set(section) & set(owned))
+    if taken:
+        raise EyasError(f"{path}: {stage}.{taken[0]} is set by `eyas run` itself (the work folder's paths, the "
+                        "target); remove it from the config")
+    return from_mapping(cls, {**owned, **section}, f"{path}: {stage}")
 
 
-def _section(cfg: dict[str, Any], stage: str) -> dict[str, Any]:
-    section = cfg.get(stage) or {}
-    if not isinstance(section, dict):
-        raise EyasError(f"config section '{stage}' must be a mapping of options, got {type(section).__name__}")
-    return dict(section)
+def plan_pipeline(cfg: RunConfig, path: Path) -> list[Stage]:
+    """Every stage of the run with validated options, in order; raises on any bad section."""
+    from eyas.recipes import evaluate, export, extract, prepare, regenerate, train
+
+    work = Path(cfg.workdir or Path("runs") / path.stem)
+    paths = {name: work / name for name in ("regenerated", "prepared", "store", "train", "export", "eval")}
+    inputs = list(cfg.prepare.get("inputs") or ["sharegpt"])
+    stages = []
+    if cfg.regenerate.get("enabled", False):
+        out = paths["regenerated"] / "conversations.jsonl"
+        opts = _section(cfg, path, "regenerate", regenerate.RegenerateOptions,
+                        {"inputs": inputs, "model": cfg.target, "out": out})
+        stages.append(Stage("regenerate", opts, [out], lambda o=opts: regenerate.run_regenerate(o)))
+        inputs = [str(out)]
+    prep = _section(cfg, path, "prepare", prepare.PrepareOptions, {"model": cfg.target, "out": paths["prepared"]},
+                    {**cfg.prepare, "inputs": [str(i) for i in inputs]})
+    stages.append(Stage("prepare", prep, [paths["prepared"] / "manifest.json"], lambda: prepare.prepare(prep)))
+    train_owned: dict[str, Any] = {"out": paths["train"], "model": cfg.target, "resume": True}
+    if cfg.online:
+        train_owned |= {"online": True, "prepared": paths["prepared"]}
+    else:
+        ext = _section(cfg, path, "extract", extract.ExtractOptions,
+                       {"prepared": paths["prepared"], "model": cfg.target, "out": paths["store"]})
+        stages.append(Stage("extract", ext, [paths["store"] / "manifest.json"], lambda: extract.run_extract(ext)))
+        train_owned["store"] = paths["store"]
+    tr = _section(cfg, path, "train", train.TrainOptions, train_owned)
+    draft = paths["train"] / "draft"
+    stages.append(Stage("train", tr, [draft / "model.safetensors"], lambda: _train(tr)))
+    exp = _section(cfg, path, "export", export.ExportOptions, {"draft": draft, "out": paths["export"],
+                                                               "format": "all"})
+    stages.append(Stage("export", exp, [paths["export"]], lambda: export.run_export(exp)))
+    before, after = paths["eval"] / "untrained", paths["eval"] / "trained"
+    untrained = work / "draft-untrained"
+    ev_untrained = _section(cfg, path, "eval", evaluate.EvalOptions,
+                            {"model": cfg.target, "draft": str(untrained), "out": before, "label": "untrained",
+                             "baseline": False})
+    ev_trained = _section(cfg, path, "eval", evaluate.EvalOptions,
+                          {"model": cfg.target, "draft": str(draft), "out": after, "label": "trained",
+                           "compare": [str(before / "report.json")]})
+
+    def run_eval() -> None:
+        make_untrained_draft(draft, untrained)
+        evaluate.run_eval(ev_untrained)
+        evaluate.run_eval(ev_trained)
+
+    stages.append(Stage("eval", ev_trained, [after / "report.json", before / "report.json"], run_eval))
+    return stages
+
+
+def _train(opts: Any) -> None:
+    from eyas.recipes.train import run_train
+
+    done = run_train(opts)
+    if not done.get("complete", True):  # cut by max_time: not done, and the next `eyas run` resumes it
+        raise EyasError(f"train stopped at its max_time budget after {done['steps']}/{done['total_steps']} steps; "
+                        f"the draft so far is in {Path(opts.out) / 'draft'}. Run the same `eyas run` again to "
+                        "continue.")
 
 
 def make_untrained_draft(trained: Path, out: Path, seed: int = 0) -> None:
@@ -113,71 +162,32 @@ def make_untrained_draft(trained: Path, out: Path, seed: int = 0) -> None:
     draft.save_pretrained(out)
 
 
-def run_pipeline(cfg: dict[str, Any], config_path: Path, force: set[str] = frozenset()) -> dict[str, Any]:
-    from eyas.recipes import evaluate, export, extract, prepare, regenerate, train
-
-    target = str(cfg.get("target") or "smollm2")
-    workdir = Path(cfg.get("workdir") or Path("runs") / config_path.stem)
-    workdir.mkdir(parents=True, exist_ok=True)
-    online = bool(cfg.get("online", False))
-    ledger = StageLedger(workdir)
+def run_pipeline(cfg: RunConfig, config_path: Path, force: set[str] = frozenset()) -> dict[str, Any]:
     for stage in force:
         if stage not in STAGES:
             raise EyasError(f"--force {stage}: not a stage; stages: {', '.join(STAGES)}")
-        ledger.state.pop(stage, None)
-    paths = {name: workdir / name for name in ("regenerated", "prepared", "store", "train", "export", "eval")}
-    console.print(f"[bold]eyas run[/] {config_path} → {workdir}  (target: {target}, "
-                  f"{'online' if online else 'offline'} training)")
-
-    prep = _section(cfg, "prepare")
-    inputs = prep.pop("inputs", ["sharegpt"])
-    regen = _section(cfg, "regenerate")
-    if regen.pop("enabled", False):
-        regen_out = paths["regenerated"] / "conversations.jsonl"
-        regen_opts = {"inputs": inputs, "model": target, "out": regen_out, **regen}
-        ledger.run("regenerate", regen_opts, [regen_out],
-                   lambda: call_stage("regenerate", regenerate.cli, regen_opts))
-        inputs = [str(regen_out)]
-
-    prep_opts = {"inputs": [str(i) for i in inputs], "model": target, "out": paths["prepared"], **prep}
-    ledger.run("prepare", prep_opts, [paths["prepared"] / "manifest.json"],
-               lambda: call_stage("prepare", prepare.cli, prep_opts))
-
-    train_opts = {"out": paths["train"], "model": target, **_section(cfg, "train")}
-    if online:
-        train_opts.update(online=True, prepared=paths["prepared"])
-    else:
-        ext_opts = {"prepared": paths["prepared"], "model": target, "out": paths["store"], **_section(cfg, "extract")}
-        ledger.run("extract", ext_opts, [paths["store"] / "manifest.json"],
-                   lambda: call_stage("extract", extract.cli, ext_opts))
-        train_opts["store"] = paths["store"]
-    draft_dir = paths["train"] / "draft"
-
-    def run_train() -> None:
-        call_stage("train", train.cli, {"resume": True, **train_opts})
-        done = read_json(paths["train"] / "manifest.json")
-        if not done.get("complete", True):  # cut by max_time: not done, and the next `eyas run` resumes it
-            raise EyasError(f"train stopped at its max_time budget after {done['steps']}/{done['total_steps']} steps; "
-                            f"the draft so far is in {draft_dir}. Run the same `eyas run` again to continue.")
-
-    ledger.run("train", train_opts, [draft_dir / "model.safetensors"], run_train)
-
-    exp_opts = {"draft": draft_dir, "format": "all", "out": paths["export"], **_section(cfg, "export")}
-    ledger.run("export", exp_opts, [paths["export"]], lambda: call_stage("export", export.cli, exp_opts))
-
-    ev = {"model": target, **_section(cfg, "eval")}
-    untrained = workdir / "draft-untrained"
-    before, after = paths["eval"] / "untrained", paths["eval"] / "trained"
-
-    def run_eval() -> None:
-        make_untrained_draft(draft_dir, untrained)
-        call_stage("eval", evaluate.cli, {**ev, "draft": str(untrained), "out": before, "label": "untrained",
-                                          "baseline": False, "force": True})
-        call_stage("eval", evaluate.cli, {**ev, "draft": str(draft_dir), "out": after, "label": "trained",
-                                          "compare": [str(before / "report.json")], "force": True})
-
-    ledger.run("eval", ev, [after / "report.json", before / "report.json"], run_eval)
-    return final_report(workdir, before, after, paths["export"])
+    stages = plan_pipeline(cfg, config_path)  # every section checked before anything runs
+    work = Path(cfg.workdir or Path("runs") / config_path.stem)
+    work.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]eyas run[/] {config_path} → {work}  (target: {cfg.target}, "
+                  f"{'online' if cfg.online else 'offline'} training)")
+    ledger, upstream = work / "run_state.json", ""
+    for st in stages:
+        key = sha256_json({"options": to_mapping(st.options), "upstream": upstream})
+        upstream = key
+        if st.name not in force and up_to_date(ledger, key, *st.outputs, entry=st.name):
+            console.print(f"[green]✓ {st.name}[/] up to date, skipped")
+            continue
+        console.rule(f"[bold]{st.name}")
+        t0 = time.time()
+        st.run()
+        state = read_json(ledger) if ledger.is_file() else {}
+        state[st.name] = {"options_sha256": key, "seconds": round(time.time() - t0, 1)}
+        atomic_write_json(ledger, state)
+        console.print(f"[green]✓ {st.name}[/] done in {time.time() - t0:.0f}s")
+    paths = {s.name: s for s in stages}
+    return final_report(work, Path(paths["eval"].options.out).parent / "untrained", Path(paths["eval"].options.out),
+                        Path(paths["export"].options.out))
 
 
 def _overall_tau(report: Path) -> dict[str, float]:
@@ -227,9 +237,13 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     return summary
 
 
-def cli(
-    config: Path = typer.Argument(..., help="YAML config: target, workdir, online, and one section per stage "
-                                  "holding that stage's options (see configs/)."),
-    force: list[str] = typer.Option([], "--force", help="Rerun this stage (repeatable) even if up to date."),
-) -> None:
-    run_pipeline(load_config(config), config_path=config, force=set(force))
+@dataclass(kw_only=True)
+class RunOptions:
+    """`eyas run`'s options."""
+
+    config: Path = option(positional=True, help="YAML config: target, workdir, online, and one section per stage "
+                          "holding that stage's options (see configs/).")
+    force: list[str] = option(default_factory=list, help="Rerun this stage (repeatable) even if up to date.")
+
+
+cli = cli_command(RunOptions, lambda o: run_pipeline(load_config(o.config), config_path=o.config, force=set(o.force)))

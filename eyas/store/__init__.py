@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from eyas.store.store import (
-    FORMAT,
-    HiddenStore,
+from eyas.store.format import FORMAT, dequantize_fp8, quantize_fp8
+from eyas.store.reader import HiddenStore, verify_store
+from eyas.store.writer import (
     ShardBuffer,
     ShardSpec,
     StoreMeta,
     StoreWriter,
     check_disk_for,
-    dequantize_fp8,
+    load_plan,
     partial_dir,
     plan_shards,
     prepare_partial,
-    quantize_fp8,
-    verify_store,
     write_safetensors,
 )
 
 __all__ = ["FORMAT", "HiddenStore", "ShardBuffer", "ShardSpec", "StoreMeta", "StoreWriter", "check_disk_for",
-           "dequantize_fp8", "partial_dir", "plan_shards", "prepare_partial", "quantize_fp8", "verify_store",
-           "write_safetensors"]
+           "dequantize_fp8", "load_plan", "partial_dir", "plan_shards", "prepare_partial", "quantize_fp8",
+           "verify_store", "write_safetensors"]

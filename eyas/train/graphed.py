@@ -21,28 +21,36 @@ eagerly with one warning.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
-from eyas.model.attention import document_block_mask, resolve_ttt_backend
+from eyas.model.attention import document_block_mask
 from eyas.utils.devices import run_on_stream
-
-if TYPE_CHECKING:
-    from eyas.train.trainer import Trainer
 
 # the batch tensors a step reads (input_embeds only when the embedding table is on the host)
 STATIC_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids", "aux_hidden", "final_hidden",
                "input_embeds")
 
+Update = Callable[[list[dict[str, Any]], Any], torch.Tensor]  # (micro-batches, block mask) -> stats [S, 3]
+
 
 class GraphedStep:
-    """`step(batch) -> stats [S, 3]`: Trainer.update of one micro-batch, replayed as a CUDA graph."""
+    """`step(batch) -> stats [S, 3]`: `update([batch])` (Trainer.update of one micro-batch), replayed
+    as a CUDA graph. `prepare` completes a batch as `update` reads it (Trainer.with_embeds); `opt` and
+    `model` are the optimizer and the module whose gradients a failed capture leaves behind; `flex`:
+    attention is flex attention (its block mask is rebuilt outside the graph); `host_embeds`: batches
+    bring their rows of an embedding table kept on the host."""
 
-    def __init__(self, trainer: Trainer, warmup: int = 2) -> None:
-        self.trainer = trainer
+    def __init__(self, update: Update, prepare: Callable[[dict[str, Any]], dict[str, Any]],
+                 opt: torch.optim.Optimizer, model: nn.Module, device: torch.device, flex: bool,
+                 host_embeds: bool, warmup: int = 2) -> None:
+        self.update, self.prepare = update, prepare
+        self.opt, self.model, self.device = opt, model, device
+        self.flex, self.host_embeds = flex, host_embeds
         self.warmup = warmup
-        self.flex = resolve_ttt_backend(trainer.cfg.attention) == "flex"
         self.failed = False
         self.static: dict[str, Any] | None = None  # the batch buffers every replay reads
         self.docs: torch.Tensor | None = None  # [1, N] view of the static document ids
@@ -57,16 +65,15 @@ class GraphedStep:
         self.eager_left = self.warmup
 
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
-        t = self.trainer
         if self.failed:
-            return t.update([batch])
-        batch = t.with_embeds(batch)
+            return self.update([batch], None)
+        batch = self.prepare(batch)
         if not self._load(batch):
-            return t.update([batch])  # another shape: this step runs eagerly
+            return self.update([batch], None)  # another shape: this step runs eagerly
         if self.graph is None:
             if self.eager_left > 0:
                 self.eager_left -= 1
-                return self._on_side_stream(lambda: t.update([self.static], self.block_mask))
+                return self._on_side_stream(lambda: self.update([self.static], self.block_mask))
             try:
                 self._capture()
             except Exception as e:  # noqa: BLE001 -- any capture error: train on eagerly
@@ -74,19 +81,18 @@ class GraphedStep:
                               f"{str(e)[:200]}); training without graphs", stacklevel=2)
                 self.failed = True
                 self.graph = None
-                t.opt.zero_grad(set_to_none=True)
-                t.draft.zero_grad(set_to_none=True)
-                torch.cuda.synchronize(t.device)
-                return t.update([self.static], self.block_mask)
+                self.opt.zero_grad(set_to_none=True)
+                self.model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize(self.device)
+                return self.update([self.static], self.block_mask)
         self.graph.replay()
         return self.stats.clone()
 
     def _load(self, batch: dict[str, Any]) -> bool:
         """Copy the batch into the static buffers (allocated on first use); False if it does not fit."""
-        t = self.trainer
-        keys = [k for k in STATIC_KEYS if k in batch and (k != "input_embeds" or t.embed_table is not None)]
+        keys = [k for k in STATIC_KEYS if k in batch and (k != "input_embeds" or self.host_embeds)]
         if self.static is None:
-            self.static = {k: torch.empty_like(batch[k], device=t.device) for k in keys}
+            self.static = {k: torch.empty_like(batch[k], device=self.device) for k in keys}
             self.static["multi_doc"] = True  # always the document path: one compiled kernel for every batch
             self.docs = self.static["document_ids"][None]  # [1, N], the view the block mask reads
         s = self.static
@@ -105,19 +111,17 @@ class GraphedStep:
 
     def _on_side_stream(self, fn: Any) -> Any:
         """Eager steps before the capture run on the stream the capture will use."""
-        dev = self.trainer.device
-        self._side = self._side or torch.cuda.Stream(dev)
+        self._side = self._side or torch.cuda.Stream(self.device)
         out = run_on_stream(self._side, fn)
-        out.record_stream(torch.cuda.current_stream(dev))  # made on the side stream, read on this one
+        out.record_stream(torch.cuda.current_stream(self.device))  # made on the side stream, read on this one
         return out
 
     def _capture(self) -> None:
-        t = self.trainer
-        t.opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph, at fixed addresses
+        self.opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph, at fixed addresses
         graph = torch.cuda.CUDAGraph()
         # thread_local: DataLoader pin-memory threads may use CUDA while this thread captures
         with torch.cuda.graph(graph, stream=self._side, capture_error_mode="thread_local"):
-            self.stats = t.update([self.static], self.block_mask)
+            self.stats = self.update([self.static], self.block_mask)
         self.graph = graph
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
 

@@ -30,11 +30,8 @@ import numpy as np
 import torch
 
 from eyas.engines.head import TargetHead
-from eyas.utils.io import EyasError, atomic_write_json, check_free_disk, human_bytes, read_json, sha256_file
-
-FORMAT = "eyas.hidden/1"
-STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from eyas.store.format import FORMAT, STORE_DTYPES
+from eyas.utils.io import EyasError, atomic_write_json, check_free_disk, human_bytes, read_json
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
               torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
@@ -122,27 +119,6 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8 with per-token scales
-# ---------------------------------------------------------------------------------------------
-
-
-def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, g*H] -> (float8_e4m3fn [N, g*H], float32 scale [N, g]): one scale per token and layer,
-    so a layer with large activations does not crush the others' precision."""
-    n = x.shape[0]
-    xv = x.reshape(n, groups, -1).float()  # [N, g, H]
-    scale = xv.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # [N, g]
-    q = (xv / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(n, -1), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """(float8 [T, g*H], scale [T, g]) -> dtype [T, g*H]."""
-    t, g = scale.shape
-    return (q.reshape(t, g, -1).float() * scale[..., None].float()).reshape(t, -1).to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------
 # safetensors, written in one streaming pass with its sha256
 # ---------------------------------------------------------------------------------------------
 
@@ -194,135 +170,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         chunks.put(None)
         th.join()
     return h.hexdigest(), len(head) + start
-
-
-# ---------------------------------------------------------------------------------------------
-# the reader
-# ---------------------------------------------------------------------------------------------
-
-
-class HiddenStore:
-    """Random access by sample into a finished store; shards are memory-mapped and opened lazily.
-
-    store[i] -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T],
-                 "aux_hidden": bf16 [T, k*H], "final_hidden": bf16 [T, H]}   (fp8 is dequantized)
-
-    `aux_layer_ids` reads only some of the stored layers (k of them, in layer order): a store
-    extracted once with extra layers trains drafts on different choices.
-    """
-
-    def __init__(self, path: str | os.PathLike, aux_layer_ids: list[int] | None = None) -> None:
-        self.path = Path(path)
-        mpath = self.path / "manifest.json"
-        if not mpath.is_file():
-            hint = " (an unfinished extraction is in " + str(self.path) + ".partial: rerun `eyas extract`)" if \
-                Path(str(self.path) + ".partial").exists() else ""
-            raise EyasError(f"{mpath} not found: {self.path} is not a finished eyas hidden-state store{hint}")
-        self.manifest = read_json(mpath)
-        if self.manifest.get("format") != FORMAT:
-            raise EyasError(f"{mpath}: format is {self.manifest.get('format')!r}, expected {FORMAT!r}")
-        m = self.manifest
-        stored = list(m["aux_layer_ids"])
-        self.aux_layer_ids: list[int] = stored if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
-        self._aux_pick: torch.Tensor | None = None  # indices of the read layers among the stored ones
-        if self.aux_layer_ids != stored:
-            from eyas.engines.base import validate_aux_layer_ids
-
-            validate_aux_layer_ids(self.aux_layer_ids, int(m["num_layers"]))
-            missing = [i for i in self.aux_layer_ids if i not in stored]
-            if missing:
-                raise EyasError(f"the store {self.path} holds aux layers {stored}, not {missing}: pick among those, "
-                                f"or extract again with --aux-layers {','.join(map(str, self.aux_layer_ids))}")
-            self._aux_pick = torch.tensor([stored.index(i) for i in self.aux_layer_ids])
-        self.hidden_size: int = int(m["hidden_size"])
-        self.dtype: str = m["dtype"]
-        self.shards: list[dict] = m["shards"]
-        self._handles: dict[int, Any] = {}
-        lengths = []
-        for j, s in enumerate(self.shards):
-            off = self._open(j).get_tensor("offsets").numpy()
-            if len(off) != s["num_samples"] + 1 or int(off[-1]) != s["num_tokens"]:
-                raise EyasError(f"{self.path / s['file']}: offsets disagree with manifest.json; run "
-                                f"`eyas extract --out {self.path} --verify`")
-            lengths.append(np.diff(off))
-        self.lengths: np.ndarray = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        self._first = np.array([s["first_sample"] for s in self.shards], dtype=np.int64)
-        self._offsets = [None] * len(self.shards)
-
-    def __getstate__(self) -> dict[str, Any]:  # picklable for DataLoader workers: they reopen the shards
-        return {**self.__dict__, "_handles": {}}
-
-    def _open(self, j: int) -> Any:
-        from safetensors import safe_open
-
-        h = self._handles.get(j)
-        if h is None:
-            h = self._handles[j] = safe_open(str(self.path / self.shards[j]["file"]), framework="pt")
-        return h
-
-    def __len__(self) -> int:
-        return int(self.manifest["num_samples"])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.manifest["num_tokens"])
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample {i} out of range for a store of {n} samples")
-        i %= n
-        j = int(np.searchsorted(self._first, i, side="right") - 1)
-        f = self._open(j)
-        if self._offsets[j] is None:
-            self._offsets[j] = f.get_tensor("offsets").tolist()
-        local = i - int(self._first[j])
-        a, b = self._offsets[j][local], self._offsets[j][local + 1]
-        aux, final = f.get_slice("aux_hidden")[a:b], f.get_slice("final_hidden")[a:b]
-        if self.dtype == "float8_e4m3fn":
-            aux = dequantize_fp8(aux, f.get_slice("aux_scale")[a:b])
-            final = dequantize_fp8(final, f.get_slice("final_scale")[a:b])
-        if self._aux_pick is not None:  # [T, k_stored*H] -> [T, k*H]
-            aux = aux.view(b - a, -1, self.hidden_size).index_select(1, self._aux_pick).reshape(b - a, -1)
-        return {
-            "input_ids": f.get_slice("input_ids")[a:b].long(),
-            "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
-            "aux_hidden": aux,
-            "final_hidden": final,
-        }
-
-    def target_head(self) -> TargetHead:
-        from safetensors.torch import load_file
-
-        t = load_file(str(self.path / "target_head.safetensors"))
-        m = self.manifest
-        return TargetHead(t["embed_tokens.weight"], t["norm.weight"], t["lm_head.weight"], float(m["norm_eps"]),
-                          float(m.get("norm_offset", 0.0)), float(m.get("embed_scale", 1.0)))
-
-    def verify(self) -> int:
-        """Recompute every shard's sha256 against the manifest; raise EyasError naming each bad shard.
-        Returns the number of files checked."""
-        return verify_store(self.path)
-
-
-def verify_store(path: str | os.PathLike) -> int:
-    path = Path(path)
-    m = read_json(path / "manifest.json")
-    bad: list[str] = []
-    for s in m["shards"]:
-        f = path / s["file"]
-        if not f.is_file():
-            bad.append(f"{s['file']}: missing")
-        elif sha256_file(f) != s["sha256"]:
-            bad.append(f"{s['file']}: sha256 differs from manifest.json (corrupted or modified)")
-    head = path / "target_head.safetensors"
-    if m.get("target_head_sha256") and (not head.is_file() or sha256_file(head) != m["target_head_sha256"]):
-        bad.append("target_head.safetensors: missing or sha256 differs from manifest.json")
-    if bad:
-        raise EyasError(f"store {path} failed verification ({len(bad)} bad file(s)):\n  " + "\n  ".join(bad)
-                        + "\nRe-extract: delete the store folder and rerun `eyas extract` (finished shards of an "
-                          "interrupted run are kept in OUT.partial, a finished store is rebuilt).")
-    return len(m["shards"]) + 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""`eyas eval --backend vllm`: the same measurement through vLLM's own EAGLE-3 speculative decoding.
+
+The draft is exported to vLLM's layout (eyas.export) in a temporary folder. The target alone runs
+first (its answers make MT-Bench's second turns, as in the hf backend), then one vLLM instance per
+chain length K on the same prompts, one request at a time (batch 1, like the hf backend). tau and
+acceptance by position come from vLLM's own counters (`vllm:spec_decode_*`), so they are what
+vLLM reports in production. vLLM verifies chains only here: trees are measured with --backend hf.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from eyas.engines.vllm.runtime import import_vllm, llm_kwargs, run_llm
+from eyas.eval.metrics import BASELINE, MethodStats
+from eyas.eval.prompts import PromptSet, render_prompt
+from eyas.eval.runner import EvalResult
+from eyas.eval.spec_decode import ChainSpec, Generation
+from eyas.utils.io import EyasError
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters now: num_drafts, num_draft_tokens, num_accepted_tokens,
+    num_accepted_tokens_per_pos (summed over vLLM's engines)."""
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode_"):
+            continue
+        key = m.name.removeprefix("vllm:spec_decode_")
+        value = getattr(m, "values", None)
+        if value is not None:
+            prev = out.get(key, [0] * len(value))
+            out[key] = [a + b for a, b in zip(prev, value, strict=False)]
+        elif isinstance(getattr(m, "value", None), (int, float)):
+            out[key] = out.get(key, 0) + m.value
+    return out
+
+
+def hist_from_counters(before: dict[str, Any], after: dict[str, Any], k: int) -> list[int]:
+    """vLLM counts steps (num_drafts) and accepted tokens per position; the steps that accepted exactly a
+    tokens follow as at_least(a) - at_least(a+1), with at_least(0) = steps."""
+    pa, pb = after.get("num_accepted_tokens_per_pos") or [], before.get("num_accepted_tokens_per_pos") or []
+    per_pos = [int((pa[j] if j < len(pa) else 0) - (pb[j] if j < len(pb) else 0)) for j in range(k)]
+    at_least = [int(after.get("num_drafts", 0) - before.get("num_drafts", 0)), *per_pos, 0]
+    return [at_least[a] - at_least[a + 1] for a in range(k + 1)]
+
+
+def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chains: list[int], temperature: float,
+                       top_p: float, max_new_tokens: int, seed: int = 0, log: Callable[[str], None] = print,
+                       extra_llm_kwargs: dict[str, Any] | None = None) -> EvalResult:
+    """Chains of each K through vLLM and the target alone, on the same prompts; returns an EvalResult."""
+    import torch
+    from transformers import AutoTokenizer
+
+    vllm = import_vllm("--backend vllm", "measure with --backend hf (transformers; chains and trees)")
+    from vllm import SamplingParams
+
+    from eyas.export.writers import ServeOptions, export_draft
+    from eyas.model.checkpoints import import_draft
+
+    if not chains:
+        raise EyasError("--backend vllm measures chains (--chain K,...); trees are measured with --backend hf")
+    if draft == "random":
+        raise EyasError("--backend vllm needs a draft folder; `random` is for --backend hf")
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    cuda = torch.cuda.is_available()
+    kwargs = llm_kwargs(target_path, seed, max_model_len=8192 if cuda else 2048, disable_log_stats=False)
+    kwargs.update(extra_llm_kwargs or {})
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
+    methods = [ChainSpec(k) for k in chains]
+    meta = {"backend": "vllm", "vllm": vllm.__version__, "temperature": temperature, "top_p": top_p,
+            "max_new_tokens": max_new_tokens, "seed": seed, "device": "cuda" if cuda else "cpu",
+            "gpu": torch.cuda.get_device_name() if cuda else None, "dtype": str(kwargs.get("dtype", "auto")),
+            "chain": chains, "tree": [], "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = EvalResult(meta=meta, methods=[m.name for m in methods])
+    measure = _VllmMeasurement(tokenizer, params, sets, result, greedy=temperature <= 0)
+    log("vllm: the target alone")
+    run_llm(kwargs, measure.target_alone)
+    with tempfile.TemporaryDirectory(prefix="eyas-eval-vllm-") as tmp:
+        draft_dir = export_draft(import_draft(draft, target=target_path), Path(tmp) / "vllm", "vllm",
+                                 ServeOptions(verifier=target_path, dtype="bfloat16" if cuda else "float32"))
+        for m in methods:
+            log(f"vllm: {m.name}")
+            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": m.k}
+            run_llm({**kwargs, "speculative_config": spec}, partial(measure.chain, m))
+    return result
+
+
+@dataclass
+class _VllmMeasurement:
+    """The prompts, settings and result that the target-alone run and every chain's run share. It holds
+    no vLLM instance: each run gets its own `llm` and drops it (see run_llm)."""
+
+    tokenizer: Any
+    params: Any  # vllm.SamplingParams
+    sets: list[PromptSet]
+    result: EvalResult
+    greedy: bool
+    # per set: (item id, turn, prompt ids, the target's tokens), filled by the target-alone run
+    prompts: dict[str, list[tuple[str, int, list[int], list[int]]]] = field(default_factory=dict)
+
+    def generate(self, llm: Any, ids: list[int]) -> Generation:
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], self.params, use_tqdm=False)[0].outputs[0]
+        return Generation(list(out.token_ids), time.perf_counter() - t0, target_forwards=0)
+
+    def target_alone(self, llm: Any) -> None:
+        """The target alone: answers (for the next turns), reference tokens and speed."""
+        first = next((it for s in self.sets for it in s.items), None)
+        if first is not None:  # compile / warm up before timing
+            self.generate(llm, first.token_ids
+                          or render_prompt(self.tokenizer, [{"role": "user", "content": first.turns[0]}]))
+        for pset in self.sets:
+            stats = self.result.sets.setdefault(pset.name, {BASELINE: MethodStats(BASELINE, 0)})
+            rows = self.prompts.setdefault(pset.name, [])
+            for item in pset.items:
+                messages = [{"role": "system", "content": item.system}] if item.system else []
+                for turn_idx, turn in enumerate([None] if item.token_ids is not None else item.turns):
+                    if item.token_ids is not None:
+                        ids = list(item.token_ids)
+                    else:
+                        messages.append({"role": "user", "content": turn})
+                        ids = render_prompt(self.tokenizer, messages)
+                    gen = self.generate(llm, ids)
+                    gen.target_forwards = gen.new_tokens
+                    stats[BASELINE].add(gen)
+                    rows.append((item.id, turn_idx, ids, gen.tokens))
+                    answer = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+                    messages.append({"role": "assistant", "content": answer})
+                    self.result.records.append({
+                        "set": pset.name, "item": item.id, "turn": turn_idx, "method": BASELINE,
+                        "prompt_tokens": len(ids), "new_tokens": gen.new_tokens, "seconds": round(gen.seconds, 6),
+                        "target_forwards": gen.new_tokens, "accept_hist": [0], "identical": None, "answer": answer})
+
+    def chain(self, m: ChainSpec, llm: Any) -> None:
+        """Chain-of-K decoding of the target-alone run's prompts; acceptance from vLLM's counters."""
+        if any(s.items for s in self.sets):  # warm up before timing
+            self.generate(llm, self.prompts[self.sets[0].name][0][2])
+        for pset in self.sets:
+            stats = self.result.sets[pset.name].setdefault(m.name, MethodStats(m.name, m.k))
+            before = spec_counters(llm)
+            for item_id, turn_idx, ids, ref in self.prompts[pset.name]:
+                gen = self.generate(llm, ids)
+                identical = gen.tokens == ref if self.greedy else None
+                stats.add(gen, identical)
+                self.result.records.append({
+                    "set": pset.name, "item": item_id, "turn": turn_idx, "method": m.name, "prompt_tokens": len(ids),
+                    "new_tokens": gen.new_tokens, "seconds": round(gen.seconds, 6), "identical": identical})
+            after = spec_counters(llm)
+            stats.accept_hist = hist_from_counters(before, after, m.k)
+            stats.target_forwards = stats.steps + stats.generations  # verify steps + prefills
