@@ -15,7 +15,7 @@ scheme the static generator used before) and streamed (a row that frees up takes
     PYTHONPATH=. python3 benchmarks/regenerate.py                          # GPU: batches 64, 256, 1024
     PYTHONPATH=. python3 benchmarks/regenerate.py --batches 1,4 --new 8 --conversations 8 --max-length 256
 
---random-weights builds the target from its config alone (same shapes, so the same step time): a GPU box
+--random-weights builds the target from its config alone (same shapes, so the same step time): a GPU node
 then needs only config.json and the tokenizer files.
 """
 

@@ -1,24 +1,53 @@
-"""EAGLE-3 draft training speed and memory, against the bf16 matmul ceiling and a peer's figures.
+"""EAGLE-3 draft training speed and memory: eyas against the bf16 matmul ceiling and, in the same run,
+against SpecForge's own training step run from its source (`--peer-src`, benchmarks/specforge_peer.py).
 
-    python3 benchmarks/train.py            # GPU (H200): ~5-8 minutes, most of it torch.compile
-    python3 benchmarks/train.py --smoke    # CPU: tiny shapes, checks the script end to end
+    python3 benchmarks/train.py            # GPU: eyas alone, 2048 and 8192 tokens; ~5-8 minutes
+    python3 benchmarks/train.py --smoke --peer-src DIR   # CPU: tiny shapes, the peer's sdpa path; ~1 minute
+
+Same-run peer baselines on one GPU, both SpecForge versions (each tree needs only its `specforge/` package:
+a checkout of sgl-project/SpecForge at its latest head, and the 0.2.0 wheel unzipped):
+
+    mkdir -p peers/head peers/v0.2.0
+    git -C SPECFORGE_CHECKOUT archive HEAD specforge version.txt | tar -x -C peers/head
+    pip download --no-deps specforge==0.2.0 -d /tmp/w && python3 -m zipfile -e /tmp/w/specforge-0.2.0-*.whl peers/v0.2.0
+    PYTHONPATH=. python3 benchmarks/train.py --shapes llama8b,smol --tokens 2048 --variants graphed,compiled \\
+        --peer-src head=peers/head --peer-src v0.2.0=peers/v0.2.0
+
+That takes ~10-15 minutes on an H100: 4 eyas and 12 peer cases (flex, sdpa, flex+compact per shape and
+version), ~40 s each, most of it torch.compile. Where one command may run at most 10 minutes, give one
+--peer-src per call (add --no-check to the second): each call reruns eyas beside that peer (~6-8 minutes),
+so every ratio stays same-run.
+
+How the peer is imported from its tree and driven through its own API, and what is stubbed (nothing on
+CUDA; on CPU a stand-in for its `import triton`, and its reference loss in place of its Triton kernel), is
+written in benchmarks/specforge_peer.py.
 
 One run measures:
 1. the bf16 matmul ceiling (8192^3 GEMM), the denominator of MFU;
 2. GPU correctness of the paths the CPU tests cannot run (flex attention has no backward on CPU):
-   TTT loss and gradients with flex (document masks + log-sum-exp merge, compiled) vs math;
+   TTT loss and gradients with flex (document masks + log-sum-exp merge, compiled) vs math, and
+   optimizer steps replayed as CUDA graphs vs the same steps run eagerly;
 3. full optimizer steps of eyas' trainer (eyas.train.trainer.Trainer: target distribution from
    the stored final state through the target's norm + lm_head, 7 TTT steps, fused loss, backward,
    clipping, AdamW on fp32 master weights) for (a) the SmolLM2-135M draft and (b) a
-   Llama-3.1-8B-shaped draft, at 2048 and 8192 tokens, in variants (torch.compile of the layer and
-   loss on/off), with random stored states; tok/s, peak memory, draft TFLOP/s and MFU, and ratios
-   to SpecForge 0.2.0's figures on an H200 (2048 tokens, TTT 7).
+   Llama-3.1-8B-shaped draft, at 2048 and 8192 tokens, in variants (graphed, compiled, eager,
+   compiled-math), with random stored states; tok/s, peak memory allocated and reserved, draft TFLOP/s, MFU;
+4. with --peer-src, the same for each SpecForge version's own EAGLE-3 TTT step (--peer-variants: its flex
+   and sdpa attention, and its compact teacher), from the same random states, target head and draft
+   vocabulary, one sequence per row, pinned host batches on both sides; then same-run ratios
+   (eyas / peer: tok/s, and peak bytes allocated and reserved, the CUDA graph's pool included) and the
+   goal: >= 1.25x the fastest peer case on the 8B shape with no more memory by reserved bytes.
+Memory peaks count from the first step on, after both sides' setup (cache emptied, peaks reset).
+A peer version whose API cannot be driven gets one line saying why; the rest still runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import itertools
+import math
 import sys
 import time
 import traceback
@@ -30,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import matmul_ceiling, sync  # noqa: E402
+from specforge_peer import PeerInputs, PeerUnusable, SpecForge, one_process_group  # noqa: E402
 
 from eyas.engines.head import TargetHead  # noqa: E402
 from eyas.model.config import DraftConfig  # noqa: E402
@@ -41,10 +71,7 @@ from eyas.train.loss import target_distribution  # noqa: E402
 from eyas.train.trainer import Trainer  # noqa: E402
 from eyas.train.ttt import TTTConfig, TTTModel  # noqa: E402
 
-# SpecForge 0.2.0 on one H200, 2048 tokens, TTT 7 (tok/s, peak GiB); None = not published
-PEER = {("llama8b", 2048): (20700, 11.4), ("smol", 2048): (46400, None)}
-PEER_SDPA = {("llama8b", 2048): (16500, 16.6)}
-GOAL = 1.25
+GOAL = 1.25  # x the fastest peer case's tok/s on the 8B shape, with no more reserved memory
 
 
 @dataclass
@@ -86,18 +113,23 @@ def draft_flops_per_token(cfg: DraftConfig, T: int, steps: int) -> float:
     return 3 * (steps * proj + attn) + 2 * fc
 
 
-
+def random_target(shape: Shape, dev: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's lm_head and the draft vocabulary (d2t, t2d), drawn from `seed`: eyas and the peer get
+    the same ones."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    lm_head = torch.randn(shape.vocab, shape.hidden, generator=g, device=dev) * 0.05
+    counts = torch.randint(0, 10**6, (shape.vocab,), generator=torch.Generator().manual_seed(seed))
+    d2t, t2d = build_draft_vocab(counts, shape.draft_vocab)
+    return lm_head.to(torch.bfloat16 if dev.type == "cuda" else torch.float32), d2t, t2d
 
 
 def random_setup(shape: Shape, dev: torch.device, seed: int = 0) -> tuple[Eagle3Draft, TargetHead]:
     torch.manual_seed(seed)
-    cfg = draft_config(shape)
+    lm_head, d2t, t2d = random_target(shape, dev, seed)
     with torch.device(dev):
-        draft = Eagle3Draft(cfg)
-        head = TargetHead(torch.empty(0), torch.ones(shape.hidden),
-                          (torch.randn(shape.vocab, shape.hidden) * 0.05).to(torch.bfloat16 if dev.type == "cuda"
-                                                                               else torch.float32), 1e-5)
-    draft.set_vocab(*build_draft_vocab(torch.randint(0, 10**6, (shape.vocab,)), shape.draft_vocab))
+        draft = Eagle3Draft(draft_config(shape))
+        head = TargetHead(torch.empty(0), torch.ones(shape.hidden), lm_head, 1e-5)
+    draft.set_vocab(d2t, t2d)
     return draft, head
 
 
@@ -184,23 +216,48 @@ def check_graph_vs_eager(dev: torch.device, steps: int = 8) -> str:
 
 
 # -------------------------------------------------------------------------------------------------
-# throughput
+# throughput: eyas and the peers, measured alike
 # -------------------------------------------------------------------------------------------------
 
 
-def run_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, warmup: int, ttt: int,
-             docs: int) -> dict:
+def measure(step, finite, dev: torch.device, tokens: int, steps: int, warmup: int) -> dict:
+    """`warmup` steps (compilation, graph capture: counted in the peaks), then `steps` timed ones. Peaks
+    count from the first step on: setup leftovers are released and the peak counters reset first."""
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    sync(dev)
+    warmup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = step()
+    sync(dev)
+    dt = time.perf_counter() - t0
+    cuda = dev.type == "cuda"
+    return {"tok_s": tokens * steps / dt, "warmup_s": warmup_s, "finite": finite(out),
+            "peak": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else float("nan"),
+            "reserved": torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else float("nan")}
+
+
+def release(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def eyas_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, warmup: int, ttt: int,
+              docs: int) -> dict:
     graphed = variant.startswith("graphed")
-    compile_ = graphed or variant.startswith("compiled")
     cuda = dev.type == "cuda"
     attention = "flex" if cuda and not variant.endswith("math") else "math"
     draft, head = random_setup(shape, dev)
-    cfg = TrainConfig(ttt_steps=ttt, token_budget=T, dtype="bf16" if cuda else "fp32", compile=compile_,
-                      cuda_graph=graphed and cuda, attention=attention, lr=1e-4, warmup_steps=1)
+    cfg = TrainConfig(ttt_steps=ttt, token_budget=T, dtype="bf16" if cuda else "fp32",
+                      compile=graphed or variant.startswith("compiled"), cuda_graph=graphed and cuda,
+                      attention=attention, lr=1e-4, warmup_steps=1)
     trainer = Trainer(cfg, draft, head, DistInfo(device=dev), total_steps=10**6)
     del draft, head
     batches = [random_batch(shape, T, docs, pin=cuda, seed=i) for i in range(2)]
@@ -208,26 +265,131 @@ def run_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, 
         for b in batches:
             e = trainer.embed_table.index_select(0, b["input_ids"])
             b["input_embeds"] = e.pin_memory() if cuda else e
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
-    t0 = time.perf_counter()
-    for i in range(warmup):  # graphed: eager steps, then the capture (counted in the peak: it holds the step)
-        trainer.train_step([batches[i % 2]])
-    sync(dev)
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(steps):
-        stats = trainer.train_step([batches[i % 2]])
-    sync(dev)
-    dt = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else float("nan")
-    reserved = torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else float("nan")
-    finite = bool(torch.isfinite(stats).all())
-    tok_s = T * steps / dt
-    flops = draft_flops_per_token(trainer.draft.config, T // docs, ttt) * tok_s
-    del trainer, batches
-    return {"tok_s": tok_s, "peak": peak, "reserved": reserved, "tflops": flops / 1e12, "warmup_s": compile_s,
-            "finite": finite}
+    turn = itertools.cycle(batches)
+    r = measure(lambda: trainer.train_step([next(turn)]), lambda stats: bool(torch.isfinite(stats).all()),
+                dev, T, steps, warmup)
+    r["tflops"] = draft_flops_per_token(draft_config(shape), T // docs, ttt) * r["tok_s"] / 1e12
+    return r
+
+
+def peer_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, warmup: int, ttt: int,
+              peer: SpecForge, wrap: str) -> dict:
+    """The peer's own step from the same states, target head and draft vocabulary as eyas' case."""
+    lm_head, d2t, t2d = random_target(shape, dev)
+    inputs = PeerInputs([random_batch(shape, T, 1, pin=False, seed=i) for i in range(2)], lm_head.cpu(), d2t, t2d)
+    del lm_head
+    step, finite = peer.build_step(shape, variant, inputs, dev, ttt, wrap)
+    del inputs
+    return measure(step, finite, dev, T, steps, warmup)
+
+
+def timed_row(case, who: str, shape: str, T: int, variant: str, dev: torch.device, *args) -> dict:
+    """One case as a row: the figures of `case(SHAPES[shape], T, variant, dev, *args)`, or why it has none."""
+    release(dev)
+    t = time.perf_counter()
+    try:
+        row = case(SHAPES[shape], T, variant, dev, *args)
+        row["error"] = ""
+    except torch.OutOfMemoryError:
+        row = {"error": "out of memory"}
+    except PeerUnusable as e:
+        row = {"error": str(e)}
+    except Exception as e:
+        traceback.print_exc()
+        row = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
+    row.update(who=who, shape=shape, tokens=T, variant=variant, wall=time.perf_counter() - t)
+    print(f"  {row['who']} {row['shape']} {row['tokens']} {row['variant']}: "
+          + (f"{row['tok_s']:,.0f} tok/s, peak {gib(row, 'peak')} GiB allocated ({gib(row, 'reserved')} reserved), "
+             f"warmup {row['warmup_s']:.0f}s" if not row["error"] else row["error"]), flush=True)
+    return row
+
+
+def run_peers(specs: list[str], shapes: list[str], tokens: list[int], variants: list[str], dev: torch.device,
+              args: argparse.Namespace) -> list[dict]:
+    rows = []
+    wrap = args.peer_wrap if dev.type == "cuda" else "none"
+    with contextlib.ExitStack() as stack:
+        if specs and wrap == "fsdp":
+            try:
+                stack.enter_context(one_process_group())
+            except Exception as e:
+                print(f"peers: no process group for FSDP ({type(e).__name__}: {e}); try --peer-wrap none")
+                return rows
+        for spec in specs:
+            peer = SpecForge(spec)
+            try:
+                with peer.imported(dev):
+                    print(f"peer {peer.label}: SpecForge {peer.version()} from {peer.path}; wrap {wrap}"
+                          + ("" if peer.has_compact else "; no compact teacher"), flush=True)
+                    for s, T, v in itertools.product(shapes, tokens, variants):
+                        rows.append(timed_row(peer_case, peer.label, s, T, v, dev, args.steps, args.warmup, args.ttt,
+                                              peer, wrap))
+            except PeerUnusable as e:
+                print(f"peer {peer.label}: cannot be driven ({e})", flush=True)
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------
+# report
+# -------------------------------------------------------------------------------------------------
+
+
+def gib(row: dict, key: str) -> str:
+    return "n/a" if math.isnan(row[key]) else f"{row[key]:.2f}"
+
+
+def trains(row: dict) -> str:
+    return "yes" if row["finite"] else "NaN"
+
+
+def ratio(a: float, b: float) -> str:
+    return "n/a" if math.isnan(a) or math.isnan(b) else f"{a / b:.2f}x"
+
+
+def print_tables(eyas: list[dict], peers: list[dict], ceiling: float, dev: torch.device) -> None:
+    cpu = dev.type != "cuda"
+    print("\n| shape | tokens | eyas variant | tok/s | GiB allocated (reserved) | draft TFLOP/s | MFU | trains |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for r in eyas:
+        if r["error"]:
+            print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['error']} | | | | |")
+            continue
+        tf = f"{r['tflops'] * 1e3:.2f} G" if cpu else f"{r['tflops']:.0f}"
+        print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['tok_s']:,.0f} | {gib(r, 'peak')} "
+              f"({gib(r, 'reserved')}) | {tf} | {r['tflops'] * 1e12 / ceiling:.0%} | {trains(r)} |")
+    if not peers:
+        return
+    print("\n| shape | tokens | peer | peer variant | tok/s | GiB allocated (reserved) | trains |")
+    print("|---|---|---|---|---:|---:|---|")
+    for p in peers:
+        cells = (f"{p['tok_s']:,.0f} | {gib(p, 'peak')} ({gib(p, 'reserved')}) | {trains(p)}"
+                 if not p["error"] else f"{p['error']} | |")
+        print(f"| {p['shape']} | {p['tokens']} | {p['who']} | {p['variant']} | {cells} |")
+    print("\nSame-run ratios, eyas / peer: speed by tok/s; memory by peak bytes (below 1: eyas holds less)")
+    print("| shape | tokens | eyas variant | peer | peer variant | speed | allocated | reserved |")
+    print("|---|---|---|---|---|---:|---:|---:|")
+    for r, p in itertools.product(eyas, peers):
+        if not r["error"] and not p["error"] and (r["shape"], r["tokens"]) == (p["shape"], p["tokens"]):
+            print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {p['who']} | {p['variant']} | "
+                  f"{r['tok_s'] / p['tok_s']:.2f}x | {ratio(r['peak'], p['peak'])} | "
+                  f"{ratio(r['reserved'], p['reserved'])} |")
+
+
+def print_goal(eyas: list[dict], peers: list[dict], shape: str) -> None:
+    print(f"\nGoal on the {shape} shape: >= {GOAL}x the fastest peer case, with no more memory by reserved bytes")
+    for T in sorted({r["tokens"] for r in eyas if r["shape"] == shape}):
+        ran = [p for p in peers if not p["error"] and (p["shape"], p["tokens"]) == (shape, T)]
+        if not ran:
+            print(f"  {T} tokens: no peer ran (--peer-src), not judged")
+            continue
+        best = max(ran, key=lambda p: p["tok_s"])
+        print(f"  {T} tokens: fastest peer {best['who']} {best['variant']}, {best['tok_s']:,.0f} tok/s, "
+              f"{gib(best, 'reserved')} GiB reserved")
+        for r in (r for r in eyas if (r["shape"], r["tokens"]) == (shape, T) and not r["error"]):
+            speed = r["tok_s"] / best["tok_s"]
+            fits = math.isnan(r["reserved"]) or r["reserved"] <= best["reserved"]
+            print(f"    eyas {r['variant']}: {speed:.2f}x, {gib(r, 'reserved')} GiB reserved -> "
+                  f"{'met' if speed >= GOAL and fits else 'not met'}")
 
 
 def main() -> None:
@@ -238,29 +400,39 @@ def main() -> None:
     ap.add_argument("--variants", default="graphed,compiled", help="graphed: compiled, and each optimizer step "
                     "replayed as one CUDA graph (the default on one GPU); compiled: torch.compile of the layer "
                     "halves, final norm and loss chunk (+ compiled flex); eager: only flex compiled; "
-                    "compiled-math: attention with the scores written out (no flex; compare with the peer's SDPA "
-                    "figure)")
+                    "compiled-math: attention with the scores written out (no flex)")
+    ap.add_argument("--peer-src", action="append", default=[], metavar="[LABEL=]PATH",
+                    help="a SpecForge source tree (holding its specforge/ package) whose own EAGLE-3 step runs "
+                         "beside eyas' in this process; repeatable")
+    ap.add_argument("--peer-variants", default="flex,sdpa,flex+compact",
+                    help="the peer's attention backend (flex, sdpa), +compact for its compact teacher")
+    ap.add_argument("--peer-tokens", default="2048", help="sequence lengths the peer runs (of --tokens)")
+    ap.add_argument("--peer-wrap", choices=("fsdp", "none"), default="fsdp",
+                    help="fsdp: as the peer's trainer runs on one GPU (one-process group); none: the bare module")
     ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per case")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--docs", type=int, default=1, help="documents packed per row (1 = one sequence, as the peer)")
+    ap.add_argument("--docs", type=int, default=1, help="documents packed per row in eyas' batches (1 = one "
+                    "sequence, as the peer trains)")
     ap.add_argument("--no-check", action="store_true", help="skip the flex-vs-math and CUDA-graph-vs-eager checks")
     args = ap.parse_args()
 
     if args.smoke:
         dev = torch.device("cpu")
         torch.set_num_threads(1)
-        shapes, tokens, variants = ["tiny"], [256], ["eager"]
+        shapes, tokens, variants, peer_tokens = ["tiny"], [256], ["eager"], [256]
+        peer_variants = ["sdpa", "sdpa+compact"]  # flex has no backward on CPU
         args.steps, args.warmup = 3, 1
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: run with --smoke on CPU")
         dev = torch.device("cuda")
         shapes, tokens = args.shapes.split(","), [int(t) for t in args.tokens.split(",")]
-        variants = args.variants.split(",")
+        variants, peer_variants = args.variants.split(","), args.peer_variants.split(",")
+        peer_tokens = [int(t) for t in args.peer_tokens.split(",") if int(t) in tokens]
 
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    print(f"device: {name}; torch {torch.__version__}; TTT {args.ttt}; {args.docs} document(s) per row")
+    print(f"device: {name}; torch {torch.__version__}; TTT {args.ttt}; {args.docs} document(s) per eyas row")
     if dev.type == "cuda":
         ceiling = matmul_ceiling(dev, 8192, 50, torch.bfloat16)
         print(f"bf16 matmul ceiling (8192^3): {ceiling / 1e12:.0f} TFLOP/s")
@@ -275,51 +447,11 @@ def main() -> None:
         ceiling = matmul_ceiling(dev, 1024, 5, torch.float32)
         print(f"fp32 matmul ceiling (1024^3, CPU): {ceiling / 1e9:.1f} GFLOP/s")
 
-    rows = []
-    for s in shapes:
-        for T in tokens:
-            for v in variants:
-                t = time.perf_counter()
-                try:
-                    r = run_case(SHAPES[s], T, v, dev, args.steps, args.warmup, args.ttt, args.docs)
-                    r["error"] = ""
-                except torch.OutOfMemoryError:
-                    r = {"error": "out of memory"}
-                except Exception as e:
-                    traceback.print_exc()
-                    r = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
-                r.update(shape=s, tokens=T, variant=v, wall=time.perf_counter() - t)
-                rows.append(r)
-                print(f"  {s} {T} {v}: " + (f"{r['tok_s']:,.0f} tok/s, peak {r['peak']:.2f} GiB allocated "
-                                            f"({r['reserved']:.2f} reserved), warmup {r['warmup_s']:.0f}s"
-                                            if not r["error"] else r["error"]), flush=True)
-
-    print()
-    hdr = (f"| shape | tokens | variant | tok/s | peak GiB | draft TFLOP/s | MFU | peer tok/s | speed vs peer | "
-           f"mem vs peer | goal (>= {GOAL}x, <= mem) |")
-    print(hdr)
-    print("|---" * (hdr.count("|") - 1) + "|")
-    for r in rows:
-        if r["error"]:
-            print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['error']} | | | | | | | |")
-            continue
-        peer = (PEER_SDPA if r["variant"].endswith("math") else PEER).get((r["shape"], r["tokens"]))
-        mfu = r["tflops"] * 1e12 / ceiling
-        if peer:
-            speed = r["tok_s"] / peer[0]
-            mem = f"{r['peak'] / peer[1]:.2f}x" if peer[1] else "n/a"
-            goal = "yes" if speed >= GOAL and (not peer[1] or r["peak"] <= peer[1]) else "no"
-            peer_s, speed_s = f"{peer[0]:,}", f"{speed:.2f}x"
-        else:
-            peer_s = speed_s = mem = "-"
-            goal = "trains" if r["finite"] else "NaN"
-        tf = r["tflops"] if dev.type == "cuda" else r["tflops"] * 1e3
-        print(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['tok_s']:,.0f} | {r['peak']:.2f} | "
-              f"{tf:.{0 if dev.type == 'cuda' else 2}f}{'' if dev.type == 'cuda' else ' G'} | {mfu:.0%} | {peer_s} | "
-              f"{speed_s} | {mem} | {goal} |")
-    print()
-    for (s, T), (tok, mem) in PEER_SDPA.items():
-        print(f"peer with SDPA instead of flex ({s}, {T}): {tok:,} tok/s, {mem} GiB")
+    eyas = [timed_row(eyas_case, "eyas", s, T, v, dev, args.steps, args.warmup, args.ttt, args.docs)
+            for s, T, v in itertools.product(shapes, tokens, variants)]
+    peers = run_peers(args.peer_src, shapes, peer_tokens, peer_variants, dev, args)
+    print_tables(eyas, peers, ceiling, dev)
+    print_goal(eyas, peers, "tiny" if args.smoke else "llama8b")
     print("MFU = draft training FLOPs (matmuls + attention, backward 2x) per second / measured matmul ceiling.")
 
 

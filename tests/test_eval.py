@@ -181,8 +181,8 @@ def test_tree_verify_equals_each_path_run_alone(tiny):
         logits, aux = wrapped.forward(torch.tensor([prompt]), torch.arange(n)[None], cache)
         last = logits[-1].argmax().view(1)
         dcache = KVCache()
-        root, root_logits = dec._extend(dcache, torch.cat([torch.tensor(prompt[1:]), last]), aux)
-        tokens, parents, depth, scores = dec._draft_tree(dcache, root, root_logits, TreeSpec(14, 4, 3))
+        root, root_logits = dec.proposer._extend(dcache, torch.cat([torch.tensor(prompt[1:]), last]), aux)
+        tokens, parents, depth, scores = dec.proposer._draft_tree(dcache, root, root_logits, TreeSpec(14, 4, 3))
         assert dcache.length == n  # speculative entries dropped
         tree_ids = torch.cat([last, tokens])
         parent_all = torch.cat([torch.zeros(1, dtype=torch.long), parents])
@@ -239,7 +239,7 @@ def test_decoding_proposes_what_training_time_test_predicts(tiny, which):
     wrapped = HFTarget(target, aux_ids)
     dec = SpeculativeDecoder(wrapped, draft)
     rounds: list[tuple[int, list[torch.Tensor], list[int]]] = []  # (L, logits of steps 0.., proposed tokens)
-    chain, tree, step = dec._draft_chain, dec._draft_tree, dec._draft_step
+    chain, tree, step = dec.proposer._draft_chain, dec.proposer._draft_tree, dec.proposer._draft_step
 
     def record_step(*args):
         out = step(*args)
@@ -248,9 +248,9 @@ def test_decoding_proposes_what_training_time_test_predicts(tiny, which):
 
     def record_chain(cache, root, logits, *args):
         rounds.append((cache.length, [logits.clone()], []))
-        dec._draft_step = record_step
+        dec.proposer._draft_step = record_step
         out = chain(cache, root, logits, *args)
-        dec._draft_step = step
+        dec.proposer._draft_step = step
         rounds[-1][2].extend(out[0].tolist())
         return out
 
@@ -258,7 +258,7 @@ def test_decoding_proposes_what_training_time_test_predicts(tiny, which):
         rounds.append((cache.length, [logits.clone()], []))
         return tree(cache, root, logits, spec)
 
-    dec._draft_chain, dec._draft_tree = record_chain, record_tree
+    dec.proposer._draft_chain, dec.proposer._draft_tree = record_chain, record_tree
     checked = 0
     for prompt in tiny["prompts"][:3]:
         for method in (ChainSpec(4), TreeSpec(12, 4, 3)):
@@ -286,8 +286,9 @@ def test_dynamic_tree_is_eagle2_selection(tiny):
     with torch.inference_mode():
         logits, aux = wrapped.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], wrapped.new_cache())
         dcache = KVCache()
-        root, root_logits = dec._extend(dcache, torch.cat([torch.tensor(prompt[1:]), logits[-1].argmax().view(1)]), aux)
-        tokens, parents, depth, scores = dec._draft_tree(dcache, root, root_logits, spec)
+        pending = torch.cat([torch.tensor(prompt[1:]), logits[-1].argmax().view(1)])
+        root, root_logits = dec.proposer._extend(dcache, pending, aux)
+        tokens, parents, depth, scores = dec.proposer._draft_tree(dcache, root, root_logits, spec)
     assert tokens.numel() == 20 and int(depth.max()) <= 5
     for i in range(20):
         p = int(parents[i])
@@ -312,10 +313,10 @@ def test_draft_cache_extend_in_pieces_equals_one_pass(tiny):
     dec = SpeculativeDecoder(wrapped, draft)
     with torch.inference_mode():
         full = KVCache()
-        out_all, logits_all = dec._extend(full, tokens, aux)
+        out_all, logits_all = dec.proposer._extend(full, tokens, aux)
         parts = KVCache()
-        dec._extend(parts, tokens[:6], aux[:6])
-        out_parts, logits_parts = dec._extend(parts, tokens[6:], aux[6:])
+        dec.proposer._extend(parts, tokens[:6], aux[:6])
+        out_parts, logits_parts = dec.proposer._extend(parts, tokens[6:], aux[6:])
     wrapped.close()
     assert torch.allclose(out_all, out_parts, atol=1e-5) and torch.allclose(logits_all, logits_parts, atol=1e-4)
 

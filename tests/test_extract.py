@@ -3,6 +3,7 @@ to identical bytes, two torchrun ranks on gloo give the single-process store, fp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -148,3 +149,60 @@ def test_bad_inputs_fail_fast_with_clear_messages(assets, tmp_path):
     with pytest.raises(EyasError, match="out of range"):
         run_extract(ExtractOptions(prepared=root / "prepared", out=tmp_path / "s", model=str(root / "model"),
                                    aux_layers=[1, 8], **OPTS))
+
+
+@contextlib.contextmanager
+def small_disk(path, size: str):
+    """A real filesystem of `size` (tmpfs) at `path`: mounting needs root, as CI has; skipped elsewhere."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a {size} tmpfs here ({r.stderr.strip() or r.returncode}): the full-disk tests "
+                    "need root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_the_disk_estimate_counts_the_target_head(assets, tmp_path):
+    """A target whose head (2 x vocab x hidden in bf16: 2 MiB here) outweighs the shards (~0.15 MiB): a 1 MiB
+    disk holds the shards but not the head, so extract must refuse before it starts, not die at its last
+    step with an ENOSPC traceback."""
+    root, _ = assets
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=16384)
+                        ).save_pretrained(tmp_path / "wide")
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        with pytest.raises(EyasError, match=r"needs about 2\.\d MiB on .* but only .* is free"):
+            run_extract(ExtractOptions(prepared=root / "prepared", out=disk / "store", model=str(tmp_path / "wide"),
+                                       **OPTS))
+        assert not list(partial_dir(disk / "store").glob("shard-*"))  # refused before the first shard
+
+
+def test_a_disk_filled_by_another_writer_names_the_need_keeps_shards_and_resumes(assets, tmp_path, capsys):
+    root, ref = assets
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        filler = disk / "another-writer.bin"
+
+        def fill_the_disk(shard):  # after shard 1, someone else takes every free byte
+            if shard.index == 1 and not filler.exists():
+                with contextlib.suppress(OSError), open(filler, "wb") as f:
+                    while True:
+                        f.write(b"\0" * (1 << 16))
+
+        opts = ExtractOptions(prepared=root / "prepared", out=disk / "store", model=str(root / "model"), **OPTS)
+        with pytest.raises(EyasError, match=r"no space left writing .*store\.partial/.*: the store needs about .* "
+                                            r"more and .* is free\. Free some space and rerun the same command: the "
+                                            r"\d+ finished shard\(s\) in .*store\.partial are kept") as e:
+            run_extract(opts, on_shard=fill_the_disk)
+        kept = int(str(e.value).split(" finished shard")[0].rsplit(" ", 1)[1])
+        assert kept >= 2 and len(list(partial_dir(disk / "store").glob("shard-*.safetensors"))) == kept
+        assert not list(partial_dir(disk / "store").glob(".tmp-*"))  # the half-written shard is gone
+        filler.unlink()
+        capsys.readouterr()
+        run_extract(opts)  # resumes: the kept shards are not redone
+        assert f"resuming: {kept}/" in capsys.readouterr().err
+        assert hashes(disk / "store") == hashes(ref) and not partial_dir(disk / "store").exists()

@@ -173,3 +173,23 @@ def test_unreadable_inputs_raise_a_user_error(tmp_path):
         with pytest.raises(EyasError) as e:
             read_conversations(name)
         assert e.value.exit_code == 2 and words in str(e.value) and str(name) in str(e.value)
+
+
+def test_a_cut_off_jsonl_line_is_reported_as_truncated_with_what_to_do(tmp_path):
+    """A line cut inside a string used to read "Invalid control character at column 54": now it says
+    truncated, where (file:line) and what to do; the last line of a cut file says the file ends there."""
+    full = json.dumps({"messages": [{"role": "user", "content": "hello there, how are you today?"},
+                                    {"role": "assistant", "content": "fine"}]})
+    path = tmp_path / "cut.jsonl"
+    path.write_text("\n".join([full, full[:54], full, full[:30]]))  # line 2 cut mid-string, the file mid-record
+    log = SkipLog()
+    assert len(read_conversations(path, log)) == 2
+    assert dict(log.counts) == {"truncated_line": 1, "truncated_file": 1}
+    line2, line4 = log.examples["truncated_line"][0], log.examples["truncated_file"][0]
+    assert line2.startswith(f"{path}:2: truncated: the line ends inside its JSON record after 54 characters"), line2
+    assert "complete or delete line 2" in line2 and "control character" not in line2
+    assert line4.startswith(f"{path}:4: truncated: the file ends inside its JSON record")
+    path.write_text(full + "\n" + full.replace('"role"', '"role" 1') + "\n")  # malformed, not cut: still not_json
+    log = SkipLog()
+    read_conversations(path, log)
+    assert dict(log.counts) == {"not_json": 1}

@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from eyas.recipes.run import load_config, plan_pipeline, run_pipeline
+from eyas.recipes.run import in_words, load_config, plan_pipeline, run_pipeline
 from eyas.utils.io import EyasError, read_json
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_shipped_configs_name_only_real_options(path):
+def test_shipped_configs_name_only_real_options(path, capsys):
     cfg = load_config(path)
-    stages = plan_pipeline(cfg, path)  # every section checked against its stage's schema: names and types
+    stages = plan_pipeline(cfg, path, refuse=False)  # every section checked against its stage's schema
     assert [s.name for s in stages][-4:] == ["extract" if not cfg.online else "prepare", "train", "export", "eval"]
-    text = path.read_text()
-    assert "Disk" in text and "Time" in text, "configs carry disk and time estimates"
+    from typer.testing import CliRunner
+
+    from eyas.cli import app  # `eyas plan` prints every stage's disk and time, in seconds, without weights
+
+    t0 = time.perf_counter()
+    out = CliRunner().invoke(app, ["plan", str(path)])
+    assert out.exit_code == 0, out.output
+    assert time.perf_counter() - t0 < 90  # seconds, not the minutes a weight load takes (slack for a busy machine)
+    blocks = out.output.split("\n\n")[1:-1]
+    assert [b.split(":")[0].split(",")[0] for b in blocks] == [s.name for s in stages]
+    assert all("  Disk: " in b and "  Time: " in b for b in blocks), out.output
 
 
 def test_bad_config_says_file_and_line(tmp_path):
@@ -57,3 +71,90 @@ def test_tiny_pipeline_end_to_end_and_rerun_skips(tmp_path, smollm2_dir, capsys)
     run_pipeline(load_config(path), path)  # nothing changed: every stage is skipped
     err = capsys.readouterr().err
     assert err.count("up to date, skipped") == 5
+
+
+def test_train_schedules_chain_drafts_and_rerun_only_what_changed(tmp_path):
+    """`train: {schedules: [...]}`: schedule i starts from schedule i-1's draft with its own options; a
+    finished schedule is up to date, and changing one reruns it and those after it only."""
+    import shutil
+
+    from _train_utils import make_store
+
+    from eyas.recipes.run import RunConfig
+    from eyas.utils.io import fingerprint_path
+
+    target, _, store = make_store(tmp_path / "data")
+    common = {"draft_vocab_size": 48, "ttt_steps": 2, "token_budget": 256, "num_workers": 0, "report_to": "none",
+              "log_every": 1, "save_every": 0}
+
+    def plan(second_lr):
+        schedules = [{"max_steps": 3, "lr": 3e-3}, {"max_steps": 2, "lr": second_lr}]
+        cfg = RunConfig(target=str(target), workdir=tmp_path / "run", train={**common, "schedules": schedules})
+        return next(s for s in plan_pipeline(cfg, tmp_path / "x.yaml") if s.name == "train")
+
+    shutil.copytree(store, tmp_path / "run" / "store")
+    stage = plan(1e-3)
+    first, second = stage.options
+    assert second.init_draft == first.out / "draft" and first.init_draft is None
+    stage.run()
+    m0, m1 = (read_json(o.out / "manifest.json") for o in stage.options)
+    assert m0["steps"] == 3 and m1["steps"] == 2
+    assert m1["options"]["init"] == fingerprint_path(first.out / "draft")  # trained on from the first draft
+    stamp = (first.out / "manifest.json").stat().st_mtime_ns
+    plan(5e-4).run()  # only the second schedule changed
+    assert (first.out / "manifest.json").stat().st_mtime_ns == stamp
+    assert read_json(second.out / "manifest.json")["options"]["train"]["lr"] == 5e-4
+    with pytest.raises(EyasError, match="train.schedules must be a list of option mappings"):
+        plan_pipeline(RunConfig(target=str(target), train={"schedules": "fast"}), tmp_path / "x.yaml")
+    with pytest.raises(EyasError, match=r"train.schedules\[1\].lr = 'quick': expected a number"):
+        plan_pipeline(RunConfig(target=str(target), train={"schedules": [{}, {"lr": "quick"}]}), tmp_path / "x.yaml")
+
+
+WRONG_TYPES = {  # what a hurried config holds -> what the one error line must say
+    "text for a number": ({"train": {"lr": "fast"}}, r"train\.lr = 'fast': expected a number"),
+    "a number for text": ({"eval": {"prompts": 5}}, r"eval\.prompts = 5: expected text"),
+    "text for a list": ({"prepare": {"inputs": "dummy"}}, r"prepare\.inputs = 'dummy': expected a list of text"),
+    "text for a list (eval)": ({"eval": {"compare": "runs/a/report.json"}}, r"eval\.compare = .*expected a list"),
+}
+
+
+def test_wrong_types_in_a_config_stop_eyas_run_before_any_stage(tmp_path):
+    """`eyas run` on a real file: one clear line naming the file, the key, the value and the type wanted,
+    exit code 2, no traceback, and no stage ran (the work folder is not even made)."""
+    procs = {}
+    for name, (section, _) in WRONG_TYPES.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.yaml"
+        path.write_text(yaml.safe_dump({"target": "smollm2", "workdir": str(tmp_path / name), **section}))
+        procs[name] = (path, subprocess.Popen([sys.executable, "-m", "eyas.cli", "run", str(path)], text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              env={**os.environ, "EYAS_NO_PROGRESS": "1"}))
+    for name, (path, proc) in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (name, err)
+        assert "Traceback" not in err and err.count("eyas: error:") == 1 and len(err.strip().splitlines()) == 1, err
+        assert str(path) in err and re.search(WRONG_TYPES[name][1], err), (name, err)
+        assert not (tmp_path / name).exists(), f"{name}: a stage ran"
+
+
+def test_yaml_reads_1e_4_as_text_and_the_schema_takes_it_as_the_number(tmp_path):
+    path = tmp_path / "lr.yaml"
+    path.write_text(f"target: smollm2\nworkdir: {tmp_path / 'w'}\ntrain:\n  lr: 1e-4\n  warmup_ratio: 5e-2\n")
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == "1e-4"  # YAML 1.1 wants a dot: this is text
+    train = next(s for s in plan_pipeline(load_config(path), path) if s.name == "train")
+    opts = train.options[-1] if isinstance(train.options, list) else train.options
+    assert opts.lr == 1e-4 and isinstance(opts.lr, float)
+
+
+def test_the_summary_in_words_says_whether_the_draft_paid_off(tmp_path):
+    """The end of `eyas run` says what tau means and whether decoding got faster, naming the best method."""
+    def report(speedups):
+        return {"meta": {"device": "cpu", "gpu": None, "target": "/c/SmolLM2-135M-Instruct"},
+                "results": {"all": {m: {"tau": t, "speedup": s} for m, (t, s) in speedups.items()}}}
+
+    slow = in_words(report({"chain-1": (1.16, 0.63), "tree-8:2:4": (1.39, 0.58)}), {"tree-8:2:4": 1.0}, tmp_path)
+    assert "1.39 tokens on average with tree-8:2:4" in slow and "untrained draft gave 1.00" in slow
+    assert "slower here: 0.63x" in slow and "(chain-1, cpu)" in slow and "verify_step.py" in slow
+    assert "configs/smollm2-quality.yaml" in slow
+    fast = in_words(report({"chain-3": (2.4, 1.7)}), {}, tmp_path)
+    assert "ran 1.70x as fast as the target alone on cpu" in fast and "slower" not in fast
+    assert "nothing to summarize" in in_words({"meta": {}, "results": {"all": {}}}, {}, tmp_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,3 +225,36 @@ def test_plan_shards_is_contiguous_and_sized():
         assert s.num_tokens - last < 10  # closes at the sample that reaches the size
     assert len(plan_shards(np.full(20, 5), 10, 10**9)) == 1
     assert len(plan_shards(np.full(20, 5), 10, 10**9, min_shards=4)) == 4  # every rank gets a shard
+
+
+def test_a_damaged_or_truncated_file_is_one_clear_error_on_opening(tmp_path):
+    """Opening checks every file's header and size (cheap): a damaged header, a truncated shard or head
+    is one EyasError naming the file, what is wrong and what to do; flipped bytes in the data pass that
+    check and are caught by the sha256 check `verify=True` asks for."""
+    clean = tmp_path / "clean"
+    write_store(clean, LENGTHS, meta())
+    shard = "shard-00001.safetensors"
+
+    def damaged(name: str, damage) -> Path:
+        out = tmp_path / name
+        shutil.copytree(clean, out)
+        f = out / shard
+        f.write_bytes(damage(f.read_bytes()))
+        return out
+
+    fix = r"eyas extract --out .* --verify.*rerun the `eyas extract` command"
+    header = damaged("header", lambda b: b[:12] + b"#" * 8 + b[20:])
+    with pytest.raises(EyasError, match=rf"{shard} is damaged: the header is not valid JSON.*{fix}"):
+        HiddenStore(header)
+    cut = damaged("cut", lambda b: b[:len(b) // 2])
+    with pytest.raises(EyasError, match=rf"{shard} is damaged: the file is .* bytes but its header describes .* "
+                                        rf"\(truncated\).*{fix}"):
+        HiddenStore(cut)
+    flipped = damaged("flipped", lambda b: b[:-3] + bytes([b[-3] ^ 0xFF]) + b[-2:])
+    HiddenStore(flipped)  # header and size are fine ...
+    with pytest.raises(EyasError, match=rf"{shard}: sha256 differs"):
+        HiddenStore(flipped, verify=True)  # ... the checksum is not
+    head = clean / "target_head.safetensors"
+    head.write_bytes(head.read_bytes()[:-10])
+    with pytest.raises(EyasError, match=r"target_head.safetensors is damaged: .*truncated"):
+        HiddenStore(clean)

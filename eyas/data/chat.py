@@ -50,12 +50,20 @@ def trim_loops(ids: np.ndarray, mask: np.ndarray, keep: int, n: int = LOOP_NGRAM
     A turn repeats itself at the first token that completes an n-token run the assistant already wrote
     in this conversation (earlier in the turn or in an earlier turn). Greedy decoding of small targets
     loops (SmolLM2 rewrites: 46% of reply tokens); the tails are trivial to predict, dominate the loss
-    and cost compute. The kept `keep` tokens still teach the draft to follow a loop (dropping the rest
-    cost MT-Bench tau where the target loops at serving time too: docs/benchmarks.md, tenth attempt).
+    and cost compute. The kept `keep` tokens still teach the draft to follow a loop, which a target that
+    loops at serving time too needs.
     The turn's last token (its end-of-turn marker) stays, so the sample remains a well-formed
     conversation; its training targets come from the target on this text.
     ids [T], mask [T] (1 on assistant tokens) -> the same, shorter.
     """
+    drop = loop_tails(ids, mask, keep, n)
+    if not drop.any():
+        return ids, mask
+    return ids[~drop], mask[~drop]
+
+
+def loop_tails(ids: np.ndarray, mask: np.ndarray, keep: int, n: int = LOOP_NGRAM) -> np.ndarray:
+    """bool [T]: the tokens `trim_loops` cuts (image samples cut their per-token arrays the same way)."""
     m = mask.astype(bool)
     edges = np.flatnonzero(np.diff(np.concatenate(([False], m, [False])).astype(np.int8)))
     seen: set[bytes] = set()
@@ -69,9 +77,7 @@ def trim_loops(ids: np.ndarray, mask: np.ndarray, keep: int, n: int = LOOP_NGRAM
             seen.add(gram)
         if onset is not None and onset + 1 + keep < b - 1:
             drop[onset + 1 + keep : b - 1] = True
-    if not drop.any():
-        return ids, mask
-    return ids[~drop], mask[~drop]
+    return drop
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -238,6 +244,17 @@ class ChatEncoder:
                 raise BadRow("mask_not_found", f"no token covers characters {a}..{b}")
             mask[t0 : t1 + 1] = 1
         return mask
+
+    def token_mask(self, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32 [T], loss_mask uint8 [T]) of the whole `text`, never cut at --max-length
+        (image samples are cut only after the processor has expanded their placeholders)."""
+        if self._backend is None:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        else:
+            offsets = self._backend.encode(text, add_special_tokens=False)
+            ids = offsets.ids
+        return np.asarray(ids, dtype=np.int32), self._mask(len(ids), offsets, spans)
 
     def encode_batch(self, conversations: list[list[dict]]) -> list[Encoded | BadRow]:
         """Encode many conversations at once; a row that fails becomes its BadRow, in place."""

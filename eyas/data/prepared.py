@@ -17,7 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from eyas.data.media import FILE_SIZES, SampleMedia
 from eyas.utils.io import EyasError, atomic_write_json, read_json
+from eyas.utils.tensorfile import check_tensor_file
 
 FORMAT = "eyas.prepared/1"
 SHARD_TOKENS = 1 << 26  # 64M tokens = 320 MB per shard (int32 ids + uint8 mask)
@@ -27,10 +29,13 @@ class PreparedWriter:
     """Appends samples into `shard-NNNNN.safetensors` files inside `folder` (a fresh, empty folder).
 
     Call `add` per sample (or `add_many` per batch), then `finish(**manifest_fields)` once; write into
-    the temporary folder of `eyas.utils.io.atomic_path` so a crash leaves no partial dataset.
+    the temporary folder of `eyas.utils.io.atomic_path` so a crash leaves no partial dataset. Samples
+    with images (`media`) add a `media-NNNNN.safetensors` next to their shard; `image_token_ids`
+    (the target's placeholder ids) then go into the manifest's "media" entry.
     """
 
-    def __init__(self, folder: str | os.PathLike, vocab_size: int, shard_tokens: int = SHARD_TOKENS) -> None:
+    def __init__(self, folder: str | os.PathLike, vocab_size: int, shard_tokens: int = SHARD_TOKENS,
+                 image_token_ids: tuple[int, ...] = ()) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.vocab_size = vocab_size
@@ -40,13 +45,19 @@ class PreparedWriter:
         self.num_samples = self.num_tokens = self.num_loss_tokens = 0
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
+        self._media: list[SampleMedia | None] = []
         self._pending = 0
+        self.image_token_ids = [int(i) for i in image_token_ids]
+        self.media_samples = self.media_images = 0
+        self.token_keys: set[str] = set()
 
     def add(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
         self.add_many(input_ids, loss_mask, np.array([len(input_ids)], dtype=np.int64))
 
-    def add_many(self, input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
-        """Samples given concatenated: input_ids int32 [N_tok], loss_mask uint8 [N_tok], lengths [n]."""
+    def add_many(self, input_ids: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray,
+                 media: list[SampleMedia | None] | None = None) -> None:
+        """Samples given concatenated: input_ids int32 [N_tok], loss_mask uint8 [N_tok], lengths [n];
+        media: each sample's images (None for a text-only sample)."""
         input_ids = np.asarray(input_ids, dtype=np.int32)
         loss_mask = np.asarray(loss_mask, dtype=np.uint8)
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -60,9 +71,10 @@ class PreparedWriter:
         self.num_tokens += len(input_ids)
         # Split at sample boundaries so no sample straddles two shards.
         start = 0
-        for n in lengths.tolist():
+        for j, n in enumerate(lengths.tolist()):
             self._ids.append(input_ids[start : start + n])
             self._mask.append(loss_mask[start : start + n])
+            self._add_media(media[j] if media is not None else None)
             start += n
             self._pending += n
             if self._pending >= self.shard_tokens:
@@ -80,7 +92,29 @@ class PreparedWriter:
             str(self.folder / name), metadata={"format": FORMAT},
         )  # fmt: skip
         self.shards.append({"file": name, "num_samples": len(lengths), "num_tokens": int(offsets[-1])})
-        self._ids, self._mask, self._pending = [], [], 0
+        if any(m is not None for m in self._media):
+            self.shards[-1]["media"] = self._write_media(len(self.shards) - 1)
+        self._ids, self._mask, self._media, self._pending = [], [], [], 0
+
+    def _add_media(self, media: SampleMedia | None) -> None:
+        self._media.append(media)
+        if media is not None:
+            self.media_samples += 1
+            self.media_images += len(media.files)
+            self.token_keys.update(media.token_keys)
+
+    def _write_media(self, shard: int) -> str:
+        """The shard's images: every array K concatenated over its samples, with `K.offsets` [n+1] giving
+        sample i's rows [offsets[i], offsets[i+1]) (empty for a text-only sample)."""
+        rows = [m.rows() if m is not None else {} for m in self._media]
+        tensors = {}
+        for key in sorted({k for r in rows for k in r}):
+            tensors[key] = np.concatenate([r[key] for r in rows if key in r])
+            sizes = [len(r[key]) if key in r else 0 for r in rows]
+            tensors[key + ".offsets"] = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        name = f"media-{shard:05d}.safetensors"
+        save_file(tensors, str(self.folder / name), metadata={"format": FORMAT})
+        return name
 
     def finish(self, **manifest_fields: Any) -> dict[str, Any]:
         """Write the last shard, token_counts.safetensors and manifest.json; returns the manifest."""
@@ -95,6 +129,9 @@ class PreparedWriter:
             "num_loss_tokens": self.num_loss_tokens,
             "shards": self.shards,
         }
+        if self.media_samples:  # only datasets with images: a text-only manifest stays as it was
+            manifest["media"] = {"num_samples": self.media_samples, "num_images": self.media_images,
+                                 "token_keys": sorted(self.token_keys), "image_token_ids": self.image_token_ids}
         atomic_write_json(self.folder / "manifest.json", manifest)
         return manifest
 
@@ -112,7 +149,11 @@ class PreparedDataset:
             raise EyasError(f"{manifest_path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}. "
                             "Re-run `eyas prepare` with this version of eyas.")  # fmt: skip
         self._offsets: list[np.ndarray] = []  # per shard, int64 [n_s + 1]
+        fix = f"The prepared dataset is damaged: delete {self.path} and rerun the `eyas prepare` command that made it."
         for shard in self.manifest["shards"]:
+            n = int(shard["num_tokens"])
+            check_tensor_file(self.path / shard["file"], {"input_ids": ("I32", (n,)), "loss_mask": ("U8", (n,)),
+                                                          "offsets": ("I64", (int(shard["num_samples"]) + 1,))}, fix)
             with safe_open(self.path / shard["file"], framework="np") as f:
                 self._offsets.append(f.get_tensor("offsets"))
         counts = [len(o) - 1 for o in self._offsets]
@@ -156,6 +197,29 @@ class PreparedDataset:
             "input_ids": h.get_slice("input_ids")[a:b].long(),  # [T]
             "loss_mask": h.get_slice("loss_mask")[a:b].bool(),  # [T]
         }
+
+    @property
+    def has_media(self) -> bool:
+        """True when some samples hold images (their vision inputs are in media shards)."""
+        return "media" in self.manifest
+
+    def media(self, i: int) -> SampleMedia | None:
+        """Sample i's images and the vision tower's inputs, or None for a text-only sample."""
+        s, _, _ = self.locate(i)
+        file = self.manifest["shards"][s].get("media")
+        if file is None:
+            return None
+        key = ("media", s)
+        if key not in self._handles:
+            h = safe_open(self.path / file, framework="pt")
+            self._handles[key] = (h, {k[:-len(".offsets")]: h.get_tensor(k).tolist() for k in h.keys()  # noqa: SIM118
+                                      if k.endswith(".offsets")})
+        h, offsets = self._handles[key]
+        j = i - self._first[s]
+        if offsets[FILE_SIZES][j] == offsets[FILE_SIZES][j + 1]:
+            return None
+        rows = {k: h.get_slice(k)[o[j]:o[j + 1]] for k, o in offsets.items()}
+        return SampleMedia.from_rows(rows, tuple(self.manifest["media"]["token_keys"]))
 
     def token_counts(self) -> torch.Tensor:
         """LongTensor [vocab_size]: how often each token id is trained (under the loss mask)."""

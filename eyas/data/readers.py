@@ -46,10 +46,14 @@ SKIP_REASONS = {
     "empty": "empty conversation",
     "no_assistant": "no assistant reply after a user turn",
     "truncated_file": "the file is cut off inside this record",
+    "truncated_line": "a JSONL line cut off inside its record (an interrupted write or copy)",
     "template_rejects": "the chat template rejected the conversation",
     "mask_not_found": "the assistant turns could not be located in the rendered text",
     "overlong": "longer than --max-length (with --overlong drop)",
     "no_loss_tokens": "no assistant token left within --max-length",
+    "image_for_text_target": "the conversation holds an image and the target reads only text",
+    "image_unreadable": "an image could not be read (path, file:// or base64 data URL)",
+    "image_cut": "--max-length would cut through an image's placeholder tokens",
 }
 
 
@@ -102,24 +106,53 @@ class SkipLog:
 # ---------------------------------------------------------------------------------------------
 
 
-def _text(content: Any, role: str) -> str:
-    """Message content as one string: OpenAI content parts are joined, None is ''."""
+def _image_part(p: dict) -> dict | None:
+    """An OpenAI (`image_url`) or transformers (`image`) content part as {"type": "image", "image": SOURCE}
+    (a path, a file:// URL or a base64 data URL; eyas.data.media reads it); None for other parts."""
+    kind = p.get("type")
+    if kind == "image_url":
+        url = p.get("image_url")
+        src = url.get("url") if isinstance(url, dict) else url
+    elif kind == "image":
+        src = next((p[k] for k in ("image", "url", "path") if isinstance(p.get(k), str)), None)
+        if src is None and isinstance(p.get("base64"), str):
+            src = "data:image;base64," + p["base64"]
+    else:
+        return None
+    if not isinstance(src, str) or not src:
+        raise BadRow("bad_shape", f"an image part without a path or URL (keys {sorted(p)})")
+    return {"type": "image", "image": src}
+
+
+def _text(content: Any, role: str) -> str | list[dict]:
+    """Message content as one string (OpenAI text parts are joined, None is ''), or, when it holds
+    images, its parts: [{"type": "text", "text"} | {"type": "image", "image"}] in order."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict] = []
         for p in content:
             if isinstance(p, str):
-                parts.append(p)
+                parts.append({"type": "text", "text": p})
             elif isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
+                parts.append({"type": "text", "text": p["text"]})
+            elif isinstance(p, dict) and (image := _image_part(p)) is not None:
+                parts.append(image)
             else:
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise BadRow("bad_shape", f"{role} message has non-text content ({kind})")
-        return "".join(parts)
+                raise BadRow("bad_shape", f"{role} message has content eyas cannot use ({kind})")
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
     raise BadRow("bad_shape", f"{role} message content is a {type(content).__name__}, not text")
+
+
+def _blank(content: str | list[dict]) -> bool:
+    if isinstance(content, str):
+        return not content.strip()
+    return not any(p["type"] == "image" or p["text"].strip() for p in content)
 
 
 def _check_unicode(s: str) -> None:
@@ -160,19 +193,20 @@ def normalize_record(record: Any) -> list[dict]:
         if role is None:
             raise BadRow("unknown_role", f"message {j} has role {raw_role!r} (known: {', '.join(sorted(ROLES))})")
         content = _text(m["content"] if "content" in m else m.get("value"), role)
-        _check_unicode(content)
+        for text in [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]:
+            _check_unicode(text)
         msg = {"role": role, "content": content}
         for k in EXTRA_FIELDS:
             if m.get(k) is not None:
                 msg[k] = m[k]
         out.append(msg)
 
-    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
+    if not any(not _blank(m["content"]) or m.get("tool_calls") for m in out):
         raise BadRow("empty", "every message is blank")
     # Cut at the first blank message; blank system prompts are simply left out.
     kept = []
     for m in out:
-        if not m["content"].strip() and not m.get("tool_calls"):
+        if _blank(m["content"]) and not m.get("tool_calls"):
             if m["role"] == "system":
                 continue
             break
@@ -279,9 +313,22 @@ def iter_jsonl(path: Path) -> Iterator[Row]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                yield Row(where, skip="not_json", detail=f"{e.msg} at column {e.colno}")
+                yield _undecodable(where, e, line, last=not raw.endswith(b"\n"))
                 continue
             yield _row(where, record)
+
+
+def _undecodable(where: str, e: json.JSONDecodeError, line: str, last: bool) -> Row:
+    """A JSONL line that is not JSON: cut off (the decoder ran out of line inside the record: a newline
+    inside a string, or the end) or malformed; the detail says which and what to do."""
+    text = line.rstrip()
+    if e.pos < len(text) and not e.msg.startswith("Unterminated string"):
+        return Row(where, skip="not_json", detail=f"{e.msg} at column {e.colno}")
+    lineno = where.rsplit(":", 1)[1]
+    return Row(where, skip="truncated_file" if last else "truncated_line",
+               detail=f"truncated: the {'file' if last else 'line'} ends inside its JSON record after {len(text):,} "
+                      f"characters (an interrupted write or copy?); complete or delete line {lineno}, or write the "
+                      "file again")
 
 
 def _first_char(path: Path) -> str:
@@ -295,7 +342,7 @@ def _first_char(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# datasets (imported lazily: the GPU box may not have it)
+# datasets (imported lazily: a machine may not have it)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from eyas.engines.head import TargetHead
+
+if TYPE_CHECKING:
+    from eyas.data.media import SampleMedia
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -54,14 +58,18 @@ class TargetEngine(ABC):
     vocab_size: int
     aux_layer_ids: list[int]
     device: torch.device = torch.device("cpu")  # where capture() leaves its tensors
+    tp: int = 1  # tensor-parallel ranks the target runs on
+    last_greedy: list[int] | None = None  # the target's own greedy next token after each sequence of the last
+    # capture, for engines that compute one (vllm; the preflight checks the final state against it)
 
     @abstractmethod
-    def capture(self, seqs: list[torch.Tensor]) -> list[Capture]:
-        """Run the target on a batch of 1-D token-id tensors; one Capture per sequence, same order."""
+    def capture(self, seqs: list[torch.Tensor], media: list[SampleMedia | None] | None = None) -> list[Capture]:
+        """Run the target on a batch of 1-D token-id tensors; one Capture per sequence, same order.
+        `media[i]`: sequence i's images (eyas.data.media), whose placeholders the sequence holds expanded."""
 
-    def capture_flat(self, seqs: list[torch.Tensor]) -> FlatCapture:
+    def capture_flat(self, seqs: list[torch.Tensor], media: list[SampleMedia | None] | None = None) -> FlatCapture:
         """`capture` with the sequences concatenated; engines override it to skip the per-sequence split."""
-        caps = self.capture(seqs)
+        caps = self.capture(seqs) if media is None else self.capture(seqs, media)
         cu = [0]
         for c in caps:
             cu.append(cu[-1] + c.aux.shape[0])

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.data.media import SampleMedia
 from eyas.engines.base import (
     Capture,
     FlatCapture,
@@ -50,13 +51,41 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, device_m
         if cls is None:
             continue
         try:
-            return cls.from_pretrained(model, **kwargs)
-        except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
+            return _upcast_dequantized(cls.from_pretrained(model, **kwargs), dtype)
+        except ValueError as e:
+            if "Unrecognized configuration class" not in str(e):  # not "another AutoModel class": a real failure
+                raise EyasError(f"transformers cannot load target '{model}': {str(e)[:600]}") from e
             errors.append(f"{auto}: {e}")
+        except ImportError as e:  # a quantized checkpoint whose package is missing (compressed-tensors, ...)
+            quant = (_read_config(model).get("quantization_config") or {}).get("quant_method", "?")
+            raise EyasError(f"target '{model}' is quantized ({quant}) and loading it needs a package that is not "
+                            f"installed here: {str(e).strip()[:400]}") from e
         except OSError as e:
             raise EyasError(f"cannot load target '{model}': {e}. Give a local transformers folder or a hub id "
                             "that is in the local cache.") from e
     raise EyasError(f"transformers cannot load '{model}' as a causal LM: " + " | ".join(errors)[:800])
+
+
+def _read_config(model: str) -> dict:
+    """A local folder's config.json ({} when there is none to read)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _upcast_dequantized(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A quantized checkpoint that transformers dequantizes at load (compressed-tensors W4A16 experts;
+    block FP8 on a CPU) keeps those weights in their scales' dtype (bf16) whatever dtype was asked, and
+    `model.to()` is refused on a quantized model: upcast them in place, so a float32 engine computes
+    (and captures) in float32. Never downcasts (weights kept in float32 on purpose stay so)."""
+    if getattr(model, "hf_quantizer", None) is None or dtype != torch.float32:
+        return model
+    for p in model.parameters():
+        if p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()
+    return model
 
 
 class HFEngine(TargetEngine):
@@ -137,13 +166,18 @@ class HFEngine(TargetEngine):
 
     # ---- capture ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_flat(self, seqs: list[torch.Tensor]) -> FlatCapture:
-        """Run one batch; returns states on `self.device` without any host<->device sync of our own."""
+    def capture_flat(self, seqs: list[torch.Tensor], media: list[SampleMedia | None] | None = None) -> FlatCapture:
+        """Run one batch; returns states on `self.device` without any host<->device sync of our own.
+
+        Samples with images (`media[i]` not None) run one by one through the whole model, so its vision
+        tower embeds their images; the text-only samples of the batch run together as usual."""
         if not seqs:
             raise ValueError("capture() needs at least one sequence")
         lengths = [int(s.shape[0]) for s in seqs]
         if min(lengths) < 1:
             raise EyasError("cannot capture an empty sequence (0 tokens); drop it from the dataset")
+        if media is not None and any(m is not None for m in media):
+            return self._capture_with_images(seqs, media)
         B, T = len(seqs), max(lengths)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         for b, s in enumerate(seqs):
@@ -160,9 +194,14 @@ class HFEngine(TargetEngine):
             self._rows, attention_mask = None, None  # plain causal: no mask built, no padding to drop
         pin = self.device.type == "cuda"
         ids = (ids.pin_memory() if pin else ids).to(self.device, non_blocking=True)
+        aux, final = self._hooked(self.text_model, input_ids=ids, attention_mask=attention_mask)
+        return FlatCapture(aux, final, cu)
+
+    def _hooked(self, forward: nn.Module, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [N, k*H], final [N, H]) of one forward with the hooks on; `self._rows` picks the rows."""
         self._stash, self._active = {}, True
         try:
-            self.text_model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+            forward(**inputs, use_cache=False)
         except _StopForward:
             pass
         finally:
@@ -171,12 +210,30 @@ class HFEngine(TargetEngine):
         missing = [k for k in [*self.aux_layer_ids, "final"] if k not in stash]
         if missing:
             raise RuntimeError(f"hooks did not fire for layers {missing} of {type(self.text_model).__name__}")
-        aux = torch.cat([stash[k] for k in self.aux_layer_ids], dim=-1)  # [N, k*H]
-        return FlatCapture(aux, stash["final"], cu)
+        return torch.cat([stash[k] for k in self.aux_layer_ids], dim=-1), stash["final"]
 
-    def capture(self, seqs: list[torch.Tensor]) -> list[Capture]:
+    def _capture_with_images(self, seqs: list[torch.Tensor], media: list[SampleMedia | None]) -> FlatCapture:
+        if getattr(self.config, "vision_config", None) is None:
+            raise EyasError(f"the samples hold images but {self.model_name} reads only text: prepare the data "
+                            "with this target (`eyas prepare --model`), which skips image rows for it")
+        parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        text = [i for i, m in enumerate(media) if m is None]
+        if text:
+            flat = self.capture_flat([seqs[i] for i in text])
+            parts.update({i: (c.aux, c.final) for i, c in zip(text, flat.split(), strict=True)})
+        for i, m in enumerate(media):
+            if m is not None:  # the wrapper's forward: vision tower, projector, then the hooked text decoder
+                parts[i] = self._hooked(self.model, input_ids=seqs[i][None].to(self.device),
+                                        **m.model_inputs(self.dtype, self.device))
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + int(s.shape[0]))
+        order = range(len(seqs))
+        return FlatCapture(torch.cat([parts[i][0] for i in order]), torch.cat([parts[i][1] for i in order]), cu)
+
+    def capture(self, seqs: list[torch.Tensor], media: list[SampleMedia | None] | None = None) -> list[Capture]:
         """One Capture per sequence; tensors stay on `self.device` (views into one batch buffer)."""
-        return self.capture_flat(seqs).split()
+        return self.capture_flat(seqs, media).split()
 
     # ---- head -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -7,6 +7,8 @@
   EAGLE's "n-alpha").
 - tokens per target forward: new tokens / target forwards, the prefill included (what the
   target's cost is divided by in practice; approaches tau on long answers).
+- draft forwards per verify step: K for an EAGLE-3 chain (the tree's depth), 1 for a block
+  drafter (DFlash), whose point is drafting K tokens in one forward.
 - tok/s and speedup: wall-clock throughput, against the target alone on the same prompts in the
   same run.
 """
@@ -94,6 +96,11 @@ class MethodStats:
         return self.new_tokens / self.target_forwards if self.target_forwards else None
 
     @property
+    def draft_forwards_per_step(self) -> float | None:
+        """None where not counted (the target alone; vLLM's decoding)."""
+        return self.draft_forwards / self.steps if self.steps and self.draft_forwards else None
+
+    @property
     def tok_s(self) -> float | None:
         return self.new_tokens / self.seconds if self.seconds > 0 else None
 
@@ -132,6 +139,7 @@ class MethodStats:
             "seconds": self.seconds,
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
+            "draft_forwards_per_step": self.draft_forwards_per_step,
             "verify_steps": self.steps,
             "accept_hist": self.accept_hist,
             "compared": self.compared,

@@ -146,6 +146,8 @@ def evaluate_draft(
     target = HFTarget(target_model, list(draft.config.aux_layer_ids))
     stops = stop_token_ids(target_model, tokenizer) if stop_ids is None else set(stop_ids)
     decoder = SpeculativeDecoder(target, draft, stops)
+    for m in methods:
+        decoder.proposer.check(m)  # e.g. trees are EAGLE-3's
     result = EvalResult(meta=_meta(target_model, draft, target, decoder, methods, temperature, top_p, max_new_tokens,
                                    seed),
                         methods=[m.name for m in methods])

@@ -1,4 +1,4 @@
-"""Speculative decoding with an EAGLE-3 draft: chains and EAGLE-2 dynamic trees, greedy or sampled.
+"""Speculative decoding with a draft: chains and (EAGLE-3) EAGLE-2 dynamic trees, greedy or sampled.
 
 Both models keep KV caches; nothing of the prefix is recomputed. One round:
 
@@ -11,6 +11,9 @@ Both models keep KV caches; nothing of the prefix is recomputed. One round:
 Alignment (the same as EAGLE-3 training and vLLM): draft entry t holds the embedding of token
 t+1 and the target's hidden state at t, at rotary position t, and predicts token t+2. With L
 tokens in the target's cache, the draft's j-th speculative token is processed at position L-1+j.
+The draft side is the family's proposer (`make_proposer`): Eagle3Proposer here, DFlash's block
+proposer in eyas.eval.block_proposer and P-EAGLE's in eyas.eval.parallel_proposer (one forward per
+round, chains only).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eyas.eval.block_proposer import BlockProposer
+from eyas.eval.parallel_proposer import ParallelProposer
+from eyas.eval.proposer_base import DraftProposer
 from eyas.eval.sampling import (
     sample,
     target_probs,
@@ -30,7 +36,7 @@ from eyas.eval.sampling import (
 )
 from eyas.eval.target import HFTarget, cache_crop, cache_keep
 from eyas.model.attention import KVCache
-from eyas.model.draft import Eagle3Draft
+from eyas.model.draft import DraftModel, Eagle3Draft
 
 
 @dataclass(frozen=True)
@@ -141,20 +147,33 @@ def target_generate(target: HFTarget, prompt_ids: list[int], max_new_tokens: int
         target.capture = True
 
 
-class SpeculativeDecoder:
-    """Target + EAGLE-3 draft, batch 1. `generate(prompt, method, ...)` -> Generation."""
+class Eagle3Proposer(DraftProposer):
+    """EAGLE-3's drafting: the pending entries extend the draft's KV cache (one forward), then K-1
+    chained forwards (chain) or an EAGLE-2 dynamic tree of `depth - 1` more. A proposer is what
+    SpeculativeDecoder asks for drafts (eyas.eval.block_proposer holds DFlash's)."""
 
-    def __init__(self, target: HFTarget, draft: Eagle3Draft, stop_ids: set[int] | frozenset = frozenset()) -> None:
-        if list(draft.config.aux_layer_ids) != target.aux_layer_ids:
-            raise ValueError("the target must capture the draft's aux layer ids")
-        self.target, self.draft = target, draft.eval()
-        self.stop_ids = set(stop_ids)
-        self.device = target.device
-        self.draft_dtype = draft.fc.weight.dtype
-        self.d2t_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)  # [V_d] target ids
-        self.vocab = target.vocab_size
+    draft: Eagle3Draft
 
-    # -- draft side ----------------------------------------------------------------------------
+    def check(self, method: Method) -> None:
+        """Every chain and tree is an EAGLE-3 draft's to propose."""
+
+    def forwards(self, method: Method) -> int:
+        """Draft forwards per verify step."""
+        return method.k if isinstance(method, ChainSpec) else method.depth
+
+    def chain(self, cache: KVCache, pending_tokens: torch.Tensor, pending_aux: torch.Tensor, k: int,
+              temperature: float, top_p: float, generator: torch.Generator | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Take in the pending entries (tokens [m], the newest last; the target's aux states at the
+        positions before them [m, k*H]) and propose K tokens: target ids [K] and (sampling) q [K, V]."""
+        root, root_logits = self._extend(cache, pending_tokens, pending_aux)
+        return self._draft_chain(cache, root, root_logits, k, temperature, top_p, generator)
+
+    def tree(self, cache: KVCache, pending_tokens: torch.Tensor, pending_aux: torch.Tensor, spec: TreeSpec
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Take in the pending entries and draft an EAGLE-2 tree (see `_draft_tree`)."""
+        root, root_logits = self._extend(cache, pending_tokens, pending_aux)
+        return self._draft_tree(cache, root, root_logits, spec)
 
     def _draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +185,7 @@ class SpeculativeDecoder:
         """Append pending entries (tokens [m], target aux [m, k*H]); return the last one's output and logits."""
         start = cache.length
         positions = torch.arange(start, start + tokens.numel(), device=self.device)[None]
-        hidden = self.draft.fuse(aux[None].to(self.draft_dtype))
+        hidden = self.draft.fuse(aux[None].to(self.dtype))
         cache.mask = None
         out, logits = self._draft_step(tokens[None], hidden, positions, cache)
         return out[:, -1:], logits[-1]
@@ -194,9 +213,7 @@ class SpeculativeDecoder:
         draft_tokens = torch.stack(tokens)
         if temperature <= 0:
             return draft_tokens, None
-        q_target = torch.zeros(k, self.vocab, device=self.device)
-        q_target[:, self.d2t_ids] = torch.stack(qs)
-        return draft_tokens, q_target
+        return draft_tokens, self._over_target_vocab(torch.stack(qs))
 
     def _draft_tree(self, cache: KVCache, root: torch.Tensor, logits: torch.Tensor,
                     spec: TreeSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -243,6 +260,27 @@ class SpeculativeDecoder:
         parent_pos = torch.where(parents < 0, 0, torch.searchsorted(chosen, parents.clamp_min(0)) + 1)
         return self.d2t_ids[torch.cat(pool_tok)[chosen]], parent_pos, torch.cat(pool_depth)[chosen], scores[chosen]
 
+
+
+def make_proposer(draft: DraftModel, device: torch.device, vocab: int
+                  ) -> Eagle3Proposer | BlockProposer | ParallelProposer:
+    """The proposer of the draft's family."""
+    proposers = {"eagle3": Eagle3Proposer, "dflash": BlockProposer, "peagle": ParallelProposer}
+    return proposers[draft.config.family](draft, device, vocab)
+
+
+class SpeculativeDecoder:
+    """Target + draft (any family, through its proposer), batch 1. `generate(prompt, method, ...)` -> Generation."""
+
+    def __init__(self, target: HFTarget, draft: DraftModel, stop_ids: set[int] | frozenset = frozenset()) -> None:
+        if list(draft.config.aux_layer_ids) != target.aux_layer_ids:
+            raise ValueError("the target must capture the draft's aux layer ids")
+        self.target, self.draft = target, draft.eval()
+        self.stop_ids = set(stop_ids)
+        self.device = target.device
+        self.proposer = make_proposer(self.draft, target.device, target.vocab_size)
+        self.draft_dtype = self.proposer.dtype
+
     def verify_tree(self, cache, tree_ids: torch.Tensor, parent_all: torch.Tensor, depth: torch.Tensor,
                     max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over a whole tree. tree_ids [N+1] (root first), parent_all [N+1] (root's = 0),
@@ -266,7 +304,7 @@ class SpeculativeDecoder:
         greedy = temperature <= 0
         _sync(dev)
         t0 = time.perf_counter()
-        cache, dcache = target.new_cache(), KVCache()
+        cache, dcache = target.new_cache(), self.proposer.new_cache()
         n = len(prompt_ids)
         ids = torch.tensor(prompt_ids, device=dev)
         logits, aux = target.forward(ids[None], torch.arange(n, device=dev)[None], cache, last_logits_only=True)
@@ -278,10 +316,10 @@ class SpeculativeDecoder:
         last = first.view(1)  # the newest token: sampled, not yet in the target's cache
         while not done:
             L = cache.get_seq_length()
-            root, root_logits = self._extend(dcache, pending_tokens, pending_aux)
+            gen.draft_forwards += self.proposer.forwards(method)
             if isinstance(method, ChainSpec):
-                drafts, q = self._draft_chain(dcache, root, root_logits, method.k, temperature, top_p, generator)
-                gen.draft_forwards += method.k
+                drafts, q = self.proposer.chain(dcache, pending_tokens, pending_aux, method.k, temperature, top_p,
+                                                generator)
                 K = drafts.numel()
                 verify_ids = torch.cat([last, drafts])
                 logits, aux = target.forward(verify_ids[None], torch.arange(L, L + K + 1, device=dev)[None], cache)
@@ -297,8 +335,7 @@ class SpeculativeDecoder:
                 path = torch.arange(1, accepted + 1, device=dev)
                 new_tokens = drafts[:accepted]
             else:
-                tokens, parents, depth, _ = self._draft_tree(dcache, root, root_logits, method)
-                gen.draft_forwards += method.depth
+                tokens, parents, depth, _ = self.proposer.tree(dcache, pending_tokens, pending_aux, method)
                 tree_ids = torch.cat([last, tokens])  # [N+1], the root first
                 parent_all = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), parents])
                 logits, aux = self.verify_tree(cache, tree_ids, parent_all, depth, method.depth)

@@ -61,7 +61,7 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
     vllm = import_vllm("--backend vllm", "measure with --backend hf (transformers; chains and trees)")
     from vllm import SamplingParams
 
-    from eyas.export.writers import ServeOptions, export_draft
+    from eyas.export.writers import ServeOptions, export_draft, family_writer
     from eyas.model.checkpoints import import_draft
 
     if not chains:
@@ -83,11 +83,14 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
     log("vllm: the target alone")
     run_llm(kwargs, measure.target_alone)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-vllm-") as tmp:
-        draft_dir = export_draft(import_draft(draft, target=target_path), Path(tmp) / "vllm", "vllm",
+        model = import_draft(draft, target=target_path)
+        draft_dir = export_draft(model, Path(tmp) / "vllm", "vllm",
                                  ServeOptions(verifier=target_path, dtype="bfloat16" if cuda else "float32"))
         for m in methods:
             log(f"vllm: {m.name}")
-            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": m.k}
+            writer = family_writer(model.config)
+            spec = {"method": writer.vllm_method, **writer.vllm_options, "model": str(draft_dir),
+                    "num_speculative_tokens": m.k}
             run_llm({**kwargs, "speculative_config": spec}, partial(measure.chain, m))
     return result
 

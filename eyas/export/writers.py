@@ -1,13 +1,16 @@
-"""Writing an EAGLE-3 draft in the layouts vLLM, SGLang and speculators serve, with the command that serves it.
+"""Writing a draft in the layouts vLLM, SGLang and speculators serve, with the command that serves it.
 
 What differs between the layouts, and why each difference matters, is in `eyas.model.layouts`;
-the readers that undo these writers are in `eyas.model.checkpoints`.
+the readers that undo these writers are in `eyas.model.checkpoints`. Each draft family has a
+`FamilyWriter` (`family_writer`): EAGLE-3's is written out below, DFlash's in eyas.export.dflash,
+P-EAGLE's in eyas.export.peagle.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +19,9 @@ from safetensors.torch import save_file
 
 import eyas
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.draft import DraftModel, Eagle3Draft
 from eyas.model.layouts import DECODER_PREFIX, FORMATS
+from eyas.model.mla import MLA_ARCHITECTURES, deepseek_layer_config
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format we write and test against
@@ -31,11 +35,35 @@ class ServeOptions:
 
     verifier: str | None = None  # the target's HF id or path as the engine should load it
     dtype: str = "bfloat16"  # floating tensors; d2t stays int64 and t2d bool
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None  # None: the family's default (FamilyWriter.default_k)
     include_embedding: bool = True  # the engines fall back to the target's embedding without it
 
 
-def export_draft(draft: Eagle3Draft, out: str | Path, fmt: str, options: ServeOptions | None = None,
+@dataclass(frozen=True)
+class FamilyWriter:
+    """How one draft family is written for serving."""
+
+    configs: dict[str, Callable[..., dict[str, Any]]]  # format -> config.json (cfg, dtype, verifier=, k=)
+    check: Callable[[DraftConfig, str, int], None]  # refuse what `fmt` would serve wrongly (cfg, fmt, k)
+    tensors: Callable[[Any, str, torch.dtype, bool], dict[str, torch.Tensor]]  # (draft, fmt, dtype, embedding)
+    readme: Callable[[str, Path, DraftConfig, str | None, int], str]  # (fmt, out, cfg, verifier, k)
+    vllm_method: str  # vLLM's speculative_config["method"]
+    default_k: Callable[[DraftConfig], int]  # num_speculative_tokens when none is given
+    vllm_options: dict[str, Any] = field(default_factory=dict)  # more speculative_config keys vLLM needs
+
+
+def family_writer(cfg: DraftConfig) -> FamilyWriter:
+    """The writer of the draft's family."""
+    from eyas.export.dflash import DFLASH  # they build on this module
+    from eyas.export.peagle import PEAGLE
+
+    writers = {"eagle3": EAGLE3, "dflash": DFLASH, "peagle": PEAGLE}
+    if cfg.family not in writers:
+        raise EyasError(f"eyas cannot export a {cfg.family!r} draft (families: {', '.join(writers)})")
+    return writers[cfg.family]
+
+
+def export_draft(draft: DraftModel, out: str | Path, fmt: str, options: ServeOptions | None = None,
                  manifest: dict[str, Any] | None = None) -> Path:
     """Write `draft` as a folder that `fmt` ("vllm", "sglang", "speculators") serves; returns it.
 
@@ -44,31 +72,36 @@ def export_draft(draft: Eagle3Draft, out: str | Path, fmt: str, options: ServeOp
     or none).
     """
     options = options or ServeOptions()
+    cfg = draft.config
+    writer = family_writer(cfg)
     if fmt not in FORMATS:
         raise EyasError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)} (or all)")
+    if fmt not in writer.configs:
+        raise EyasError(f"a {cfg.family} draft is served in the {', '.join(writer.configs)} layout(s), not {fmt}")
     if options.dtype not in _DTYPES:
         raise EyasError(f"unknown dtype {options.dtype!r}: choose one of {', '.join(_DTYPES)}")
-    if options.num_speculative_tokens < 1:
-        raise EyasError(f"num_speculative_tokens must be >= 1, got {options.num_speculative_tokens}")
-    cfg = draft.config
-    _check_exportable(cfg, fmt)
+    k = writer.default_k(cfg) if options.num_speculative_tokens is None else options.num_speculative_tokens
+    if k < 1:
+        raise EyasError(f"num_speculative_tokens must be >= 1, got {k}")
+    writer.check(cfg, fmt, k)
     out = Path(out).absolute()
     verifier = options.verifier or cfg.target or None
-    config = {"vllm": vllm_config, "sglang": sglang_config, "speculators": speculators_config}[fmt](
-        cfg, options.dtype, verifier=verifier, num_speculative_tokens=options.num_speculative_tokens)
-    tensors = export_tensors(draft, fmt, _DTYPES[options.dtype], options.include_embedding)
+    config = writer.configs[fmt](cfg, options.dtype, verifier=verifier, num_speculative_tokens=k)
+    tensors = writer.tensors(draft, fmt, _DTYPES[options.dtype], options.include_embedding)
     with atomic_path(out) as tmp:
         tmp.mkdir()
         atomic_write_json(tmp / "config.json", config)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "eyas": EXPORT_FORMAT})
-        (tmp / "README.md").write_text(serve_readme(fmt, out, cfg, verifier, options.num_speculative_tokens))
+        # one metadata key (the format is in manifest.json): safetensors orders several in a different way in
+        # every process, and the same export would not be the same bytes
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "README.md").write_text(writer.readme(fmt, out, cfg, verifier, k))
         if manifest is not None:
             atomic_write_json(tmp / "manifest.json", manifest)
     return out
 
 
-def _check_exportable(cfg: DraftConfig, fmt: str) -> None:
-    """Refuse what an engine would load wrongly rather than export something that serves badly."""
+def _check_exportable(cfg: DraftConfig, fmt: str, num_speculative_tokens: int) -> None:
+    """Refuse what an engine would load wrongly rather than export something that serves badly (any K serves)."""
     k = cfg.num_aux_layers
     if fmt == "sglang" and k != 3:
         raise EyasError(f"SGLang's EAGLE-3 draft reads exactly 3 aux layers (fc input 3 x target hidden); this draft "
@@ -88,6 +121,11 @@ def _check_exportable(cfg: DraftConfig, fmt: str) -> None:
                         "Export --format vllm or speculators.")
     if cfg.hidden_act != "silu":
         raise EyasError(f"hidden_act {cfg.hidden_act!r} is not supported by the engines' EAGLE-3 drafts (silu only)")
+    if cfg.attention == "mla" and fmt == "speculators":
+        raise EyasError("speculators has no EAGLE-3 draft with an MLA layer: export --format vllm or sglang")
+    if cfg.attention == "mla" and fmt == "sglang" and not cfg.q_lora_rank:
+        raise EyasError("SGLang's MLA draft layer needs a query down-projection (q_lora_rank); this draft has none. "
+                        "Export --format vllm, or train with --mla-q-lora-rank N")
 
 
 def export_tensors(draft: Eagle3Draft, fmt: str, dtype: torch.dtype = torch.bfloat16,
@@ -135,6 +173,13 @@ def _llama_fields(cfg: DraftConfig, dtype: str) -> dict[str, Any]:
     }
 
 
+def _decoder_fields(cfg: DraftConfig, dtype: str, fmt: str) -> dict[str, Any]:
+    """The draft's architecture and its decoder layer's config: Llama's, or DeepSeek's for an MLA layer."""
+    if cfg.attention == "mla":
+        return {"architectures": [MLA_ARCHITECTURES[fmt]], **deepseek_layer_config(cfg, dtype)}
+    return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype)}
+
+
 def _eyas_block(cfg: DraftConfig, fmt: str) -> dict[str, Any]:
     """What the engines don't need but a later import does: the target's identity, ids in eyas' convention."""
     return {"format": EXPORT_FORMAT, "layout": fmt, "eyas_version": eyas.__version__,
@@ -144,10 +189,10 @@ def _eyas_block(cfg: DraftConfig, fmt: str) -> dict[str, Any]:
 
 def vllm_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None = None,
                 num_speculative_tokens: int = 3) -> dict[str, Any]:
-    """vLLM's `LlamaForCausalLMEagle3` config (vllm/model_executor/models/llama_eagle3.py)."""
+    """vLLM's `LlamaForCausalLMEagle3` config (vllm/model_executor/models/llama_eagle3.py), or its
+    `Eagle3DeepseekV3ForCausalLM` (deepseek_eagle3.py) for an MLA layer."""
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **_llama_fields(cfg, dtype),
+        **_decoder_fields(cfg, dtype, "vllm"),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         # read by the target runner to pick the layers to capture (input of decoder layer k)
@@ -163,10 +208,10 @@ def vllm_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None 
 
 def sglang_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None = None,
                   num_speculative_tokens: int = 3) -> dict[str, Any]:
-    """SGLang's `LlamaForCausalLMEagle3` config: SGLang adds 1 to the ids in `eagle_config`."""
+    """SGLang's `LlamaForCausalLMEagle3` config (or `Eagle3DeepseekV2ForCausalLM`, kimi_k25_eagle3.py, for
+    an MLA layer): SGLang adds 1 to the ids in `eagle_config`."""
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **_llama_fields(cfg, dtype),
+        **_decoder_fields(cfg, dtype, "sglang"),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.aux_layer_ids],
@@ -264,3 +309,8 @@ def serve_readme(fmt: str, out: Path, cfg: DraftConfig, verifier: str | None, k:
         "",
     ]
     return "\n".join(lines)
+
+
+EAGLE3 = FamilyWriter(configs={"vllm": vllm_config, "sglang": sglang_config, "speculators": speculators_config},
+                      check=_check_exportable, tensors=export_tensors, readme=serve_readme, vllm_method="eagle3",
+                      default_k=lambda cfg: 3)

@@ -92,15 +92,16 @@ def generator_target(name: str, model: Any, tokenizer: Any, dtype: str = "auto",
 def load_generator(model: str, dtype: str = "auto", device: str = "auto",
                    trust_remote_code: bool = False) -> tuple[Any, Any]:
     """The target as a causal LM with its tokenizer (bf16 on GPU, fp32 on CPU by default, SDPA attention)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from eyas.engines.hf import load_hf_model
     from eyas.utils.devices import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     try:
         tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=resolve_dtype(dtype, dev), attn_implementation="sdpa",
-                                                  trust_remote_code=trust_remote_code)
+        # a multimodal wrapper (Kimi-K2.5) generates text like a causal LM
+        lm = load_hf_model(model, resolve_dtype(dtype, dev), dev, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise EyasError(f"cannot load target '{model}' for generation: {e}") from e
     if tok.chat_template is None:

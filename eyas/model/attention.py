@@ -1,7 +1,8 @@
-"""Attention patterns for the draft: causal prefill, training-time test (TTT), KV-cached decoding.
+"""Attention patterns for the drafts: causal prefill, training-time test (TTT), DFlash's blocks,
+P-EAGLE's parallel depths, KV-cached decoding.
 
-Each is an `attend(q, k, v)` callable for `Eagle3Draft.forward`:
-q [B, nh, T, hd], k and v [B, nkv, T, hd] (grouped-query heads allowed) -> [B, nh, T, hd].
+Each is an `attend(q, k, v)` callable for a draft's `forward`:
+q [B, nh, T, hd], k and v [B, nkv, S, hd] (grouped-query heads allowed) -> [B, nh, T, hd].
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def _merge_same_row(q: torch.Tensor, out0: torch.Tensor, lse0: torch.Tensor, key
                     values: list[torch.Tensor]) -> torch.Tensor:
     """Add the same-row keys of steps 1..j to attention over the step-0 keys, given its output and
     log-sum-exp: softmax over [lse0, s_1..s_j] weighs out0 and v_1..v_j. Grouped-query heads are
-    handled by views ([B, g, r, T, hd]), never by copying keys."""
+    handled by views ([B, g, r, T, hd]), never by copying keys. Values may be narrower than the keys
+    (an MLA layer's v_head_dim)."""
     B, nh, T, hd = q.shape
     g = keys[0].shape[1]
     r = nh // g
@@ -160,10 +162,10 @@ def _merge_same_row(q: torch.Tensor, out0: torch.Tensor, lse0: torch.Tensor, key
     for k in keys:  # s_i = q . k_i at the same row, [B, g, r, T]
         scores.append((qg * k.unsqueeze(2)).sum(-1, dtype=torch.float32) * hd**-0.5)
     w = torch.softmax(torch.stack(scores, dim=-1), dim=-1)  # [B, g, r, T, 1 + j]
-    out = out0.view(B, g, r, T, hd) * w[..., :1]
+    out = out0.view(B, g, r, T, -1) * w[..., :1]
     for i, v in enumerate(values, start=1):
         out = out + v.unsqueeze(2) * w[..., i:i + 1]
-    return out.to(q.dtype).view(B, nh, T, hd)
+    return out.to(q.dtype).view(B, nh, T, -1)
 
 
 def resolve_ttt_backend(backend: str) -> str:
@@ -229,6 +231,110 @@ def document_block_mask(document_ids: torch.Tensor):
     # compiled on CUDA: the eager builder materializes the [B, T, T] mask (GBs at T = 16k)
     return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=str(doc.device),
                              _compile=doc.is_cuda)
+
+
+class _FixedPatternAttention:
+    """One attention pattern for every layer of a training forward: built once on first use, as a dense
+    mask ("math") or a flex block mask ("flex"); subclasses say what the pattern is (`dense_mask`,
+    `block_mask`) and set `backend` and `_mask = None`."""
+
+    backend: str
+    _mask: Any
+
+    def dense_mask(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block_mask(self) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend == "flex":
+            if self._mask is None:
+                self._mask = self.block_mask()
+            return _flex_lse(q, k, v, self._mask)[0]
+        if self._mask is None:
+            self._mask = self.dense_mask()
+        nh = q.shape[1]
+        return F.scaled_dot_product_attention(q, _expand_kv(k, nh), _expand_kv(v, nh), attn_mask=self._mask)
+
+
+class BlockAttention(_FixedPatternAttention):
+    """DFlash's training pattern (eyas.model.dflash): A blocks of B slots over one packed row of N
+    context positions. Keys are [context (N) ; the blocks side by side (A*B)]; the query of slot k of
+    block r (anchor a_r) sees the context positions j < a_r of the anchor's document and every slot of
+    its own block, nothing else: what the draft sees at inference when it drafts from a_r.
+
+    anchors [A] (ascending positions in the row), document_ids [N]. backend "math" builds the dense
+    [A*B, N + A*B] mask (any device; the reference), "flex" a flex-attention block mask (CUDA);
+    "auto" picks flex on CUDA. The pattern is the same in every layer: one instance serves all."""
+
+    def __init__(self, anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int,
+                 backend: str = "auto") -> None:
+        self.backend = resolve_ttt_backend(backend)
+        self.anchors, self.docs, self.block_size = anchors, document_ids, block_size
+        self._mask: Any = None
+
+    def dense_mask(self) -> torch.Tensor:
+        """[A*B, N + A*B] bool, True where a query may attend."""
+        N, Q, dev = self.docs.numel(), self.anchors.numel() * self.block_size, self.docs.device
+        a = self.anchors.repeat_interleave(self.block_size)  # [Q] each slot's anchor
+        context = (self.docs[None, :] == self.docs[a][:, None]) & (torch.arange(N, device=dev)[None] < a[:, None])
+        block = torch.arange(Q, device=dev) // self.block_size
+        return torch.cat([context, block[:, None] == block[None, :]], dim=1)
+
+    def block_mask(self) -> Any:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        N, B, Q = self.docs.numel(), self.block_size, self.anchors.numel() * self.block_size
+        anchors, docs = self.anchors, self.docs
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            a = anchors[q_idx // B]
+            in_context = (kv_idx < a) & (docs[kv_idx.clamp(max=N - 1)] == docs[a])
+            return torch.where(kv_idx < N, in_context, (kv_idx - N) // B == q_idx // B)
+
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=Q, KV_LEN=N + Q, device=str(docs.device),
+                                 _compile=docs.is_cuda)
+
+
+class ParallelDraftAttention(_FixedPatternAttention):
+    """P-EAGLE's training pattern (eyas.train.peagle): one causal forward over a packed row's N rows
+    (depth 0) followed by sampled (anchor, depth) entries. Entry e has an anchor a_e (its row; a depth-0
+    entry is its own anchor), a depth d_e and a document. Query q sees key k iff they share a document and
+    either k is a depth-0 entry with a_k <= a_q, or k is an entry of q's own anchor with 1 <= d_k <= d_q:
+    the verified positions up to the anchor and the mask slots before it, what the draft sees when it
+    proposes from a_q at inference (eyas.model.peagle).
+
+    anchor, depth, docs [T] (one value per entry). backend "math" builds the dense [T, T] mask (any
+    device; the reference), "flex" a flex-attention block mask (CUDA); "auto" picks flex on CUDA. The
+    pattern is the same in every layer: one instance serves all."""
+
+    def __init__(self, anchor: torch.Tensor, depth: torch.Tensor, docs: torch.Tensor, backend: str = "auto") -> None:
+        self.backend = resolve_ttt_backend(backend)
+        self.anchor, self.depth, self.docs = anchor, depth, docs
+        self._mask: Any = None
+
+    def dense_mask(self) -> torch.Tensor:
+        """[T, T] bool, True where a query may attend."""
+        a, d = self.anchor, self.depth
+        same_doc = self.docs[:, None] == self.docs[None, :]
+        verified = (d[None, :] == 0) & (a[None, :] <= a[:, None])
+        own_slots = (d[None, :] >= 1) & (a[None, :] == a[:, None]) & (d[None, :] <= d[:, None])
+        return same_doc & (verified | own_slots)
+
+    def block_mask(self) -> Any:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        a, d, docs = self.anchor, self.depth, self.docs
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            verified = (d[kv_idx] == 0) & (a[kv_idx] <= a[q_idx])
+            own_slots = (d[kv_idx] >= 1) & (a[kv_idx] == a[q_idx]) & (d[kv_idx] <= d[q_idx])
+            return (docs[kv_idx] == docs[q_idx]) & (verified | own_slots)
+
+        T = a.numel()
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device=str(a.device),
+                                 _compile=a.is_cuda)
 
 
 class KVCache(_PerLayer):

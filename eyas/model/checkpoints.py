@@ -1,4 +1,5 @@
-"""Reading draft checkpoints in any EAGLE-3 layout (eyas, vLLM, speculators, SGLang/SpecForge, EAGLE).
+"""Reading draft checkpoints in any EAGLE-3 layout (eyas, vLLM, speculators, SGLang/SpecForge, EAGLE) and
+DFlash's (eyas, vLLM/SGLang `DFlashDraftModel`, SpecForge).
 
 Train (`--init-draft`), eval and `eyas export --import` read drafts through `import_draft`, which
 undoes each layout's conventions (`eyas.model.layouts`) and refuses a draft made for another target.
@@ -6,6 +7,7 @@ undoes each layout's conventions (`eyas.model.layouts`) and refuses a draft made
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,8 +18,10 @@ import torch
 from safetensors import safe_open
 
 from eyas.model.config import DraftConfig, target_config_sha256, target_rope, text_config
-from eyas.model.draft import Eagle3Draft, check_state_dict
+from eyas.model.draft import DraftModel, check_state_dict
+from eyas.model.families import build_draft
 from eyas.model.layouts import DECODER_PREFIX, FORMATS, LAYOUTS
+from eyas.model.mla import mla_fields
 from eyas.utils.io import EyasError
 
 # Tensors some writers add that the draft itself does not use (speculators keeps the verifier's head
@@ -70,7 +74,8 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         except EyasError:
             raise
         except Exception as e:  # safetensors and torch raise their own types on corrupt files
-            raise EyasError(f"cannot read weights {file}: {e}") from e
+            raise EyasError(f"cannot read weights {file}: {e}. The file is damaged or incomplete: copy it again, or "
+                            "train or export the draft again") from e
     return tensors
 
 
@@ -97,8 +102,9 @@ def _strip_model(name: str) -> str:
 
 
 def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_ids: list[int] | None = None,
-                 layout: str = "auto") -> Eagle3Draft:
-    """Read an EAGLE-3 draft in any layout (eyas, vLLM, speculators, SGLang/SpecForge, EAGLE) as an Eagle3Draft.
+                 layout: str = "auto") -> DraftModel:
+    """Read a draft in any layout (EAGLE-3: eyas, vLLM, speculators, SGLang/SpecForge, EAGLE; DFlash: eyas,
+    vLLM/SGLang, SpecForge; P-EAGLE: eyas, vLLM, speculators) as the model of its family.
 
     `target` (a transformers folder) is checked against the draft (vocabulary, hidden size, layer
     count, fingerprint), supplies the embedding when the checkpoint left it out (SpecForge and EAGLE
@@ -119,19 +125,98 @@ def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_i
 
     if layout == "eyas":
         cfg = DraftConfig.load(path / "config.json")
+    elif is_dflash_config(config):
+        cfg = _dflash_config_from_foreign(config, where, target_config, str(target) if target else "")
     else:
         cfg = _config_from_foreign(config, layout, where, target_config, str(target) if target else "")
+        cfg = dataclasses.replace(cfg, **mla_fields(config, where))  # a DeepSeek (MLA) decoder layer
     if aux_layer_ids is not None:
         cfg.aux_layer_ids = [int(i) for i in aux_layer_ids]
     if target_config is not None:
         check_draft_target(cfg, target_config, where, str(target))
     state = _normalize_names(tensors, where)
     _fill_missing(state, cfg, target, where)
-    model = Eagle3Draft(cfg)
+    if layout != "eyas" and "mask_hidden" in state:  # P-EAGLE: an EAGLE-3 layout and the mask slots' inputs
+        cfg = _as_peagle(config, cfg, state, where)
+    model = build_draft(cfg)
     check_state_dict(model, state, where)
     check_vocab_maps(state["d2t"], state["t2d"], where)
     model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()})
     return model
+
+
+def _as_peagle(c: dict[str, Any], cfg: DraftConfig, state: dict[str, torch.Tensor], where: str) -> DraftConfig:
+    """A P-EAGLE draft read from vLLM's or speculators' layout (eyas.export.peagle): the mask token's id, its
+    learned embedding (the checkpoint's embed_tokens row) and mask_hidden (any shape of k*H_t values)."""
+    mask = c.get("mask_token_id", c.get("pard_token"))
+    if mask is None or not 0 <= int(mask) < cfg.vocab_size:
+        raise EyasError(f"{where}: a P-EAGLE draft (it has mask_hidden) needs the id of its mask token: add "
+                        f"mask_token_id to config.json (got {mask!r})")
+    state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)
+    state["mask_embed"] = state["embed_tokens.weight"][int(mask)].clone()
+    return dataclasses.replace(cfg, family="peagle", mask_token_id=int(mask))
+
+
+def is_dflash_config(c: dict[str, Any]) -> bool:
+    """vLLM's and SGLang's `DFlashDraftModel` (eyas' export, SpecForge, z-lab), whatever its architecture name says."""
+    archs = c.get("architectures") or []
+    return isinstance(c.get("dflash_config"), dict) or any(str(a).startswith("DFlash") for a in archs)
+
+
+def _dflash_config_from_foreign(c: dict[str, Any], where: str, target_config: Any, target: str) -> DraftConfig:
+    """DraftConfig from a DFlashDraftModel config.json, refusing variants eyas' DFlash model does not compute."""
+    block = c.get("eyas") if isinstance(c.get("eyas"), dict) else {}
+    dflash = c.get("dflash_config") if isinstance(c.get("dflash_config"), dict) else {}
+    archs = c.get("architectures") or ["DFlashDraftModel"]
+    bad = [f"architectures={archs}"] if archs != ["DFlashDraftModel"] else []  # DFlash2, Laguna, ...: other layers
+    bad += [k for k in ("attention_bias", "causal", "is_causal", "use_sliding_window") if c.get(k) or dflash.get(k)]
+    bad += [f"layer_types={c['layer_types']}"] if any(t != "full_attention" for t in c.get("layer_types") or []) else []
+    bad += [k for k in ("conv_kernel_size", "selector_rank", "attention_sink_bias", "projector_type") if dflash.get(k)]
+    if c.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act={c['hidden_act']}")
+    if bad:
+        raise EyasError(f"{where}: this DFlash variant is not supported by eyas' DFlash model ({', '.join(bad)})")
+    mask = dflash.get("mask_token_id", c.get("mask_token_id"))
+    if mask is None:
+        raise EyasError(f"{where}/config.json has no dflash_config.mask_token_id (SGLang would look its `<|MASK|>` "
+                        "token up in the tokenizer): add the id of the mask token to dflash_config")
+    target_layers = int(block.get("target_num_layers") or dflash.get("num_target_layers") or
+                        c.get("num_target_layers") or 0)
+    if target_config is not None:
+        target_layers = int(text_config(target_config).num_hidden_layers)
+    ids = c.get("eagle_aux_hidden_state_layer_ids")  # vLLM reads these first, as aux ids
+    if not ids:
+        ids = [int(i) + 1 for i in dflash.get("target_layer_ids", c.get("target_layer_ids")) or []]
+    if not ids:
+        raise EyasError(f"{where}: the checkpoint does not say which target layers it reads: add "
+                        "dflash_config.target_layer_ids (outputs of decoder layers, 0-based)")
+    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    vocab = int(c["vocab_size"])
+    theta, scaling = target_rope(SimpleNamespace(**{k: v for k, v in c.items()
+                                                    if k in ("rope_theta", "rope_scaling", "rope_parameters")}))
+    return DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=int(c["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        vocab_size=vocab,
+        draft_vocab_size=int(c.get("draft_vocab_size") or vocab),
+        target_hidden_size=int(c.get("target_hidden_size") or hidden),
+        aux_layer_ids=[int(i) for i in ids],
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        num_hidden_layers=int(c.get("num_hidden_layers", 1)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
+        family="dflash",
+        block_size=int(dflash.get("block_size") or c.get("block_size") or 16),  # SGLang's default
+        mask_token_id=int(mask),
+        target=str(block.get("target") or target or ""),
+        target_num_layers=target_layers,
+        target_config_sha256=str(block.get("target_config_sha256") or
+                                 (target_config_sha256(target_config) if target_config is not None else "")),
+    )
 
 
 def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_config: Any, target: str) -> DraftConfig:
@@ -140,8 +225,9 @@ def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_conf
     layer = c.get("transformer_layer_config") if layout == "speculators" else c
     if not isinstance(layer, dict):
         raise EyasError(f"{where}/config.json: speculators config without a transformer_layer_config")
-    if layout == "speculators" and c.get("speculators_model_type") != "eagle3":
-        raise EyasError(f"{where}: speculators model type {c.get('speculators_model_type')!r} is not eagle3")
+    if layout == "speculators" and c.get("speculators_model_type") not in ("eagle3", "peagle"):
+        raise EyasError(f"{where}: speculators model type {c.get('speculators_model_type')!r} is not eagle3 or "
+                        "peagle")
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in layer]
     if missing:
         raise EyasError(f"{where}/config.json: missing {missing}: not an EAGLE-3 draft config")
@@ -149,8 +235,8 @@ def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_conf
     unsupported = {"norm_before_residual": c.get("norm_before_residual", False),
                    "norm_before_fc": c.get("norm_before_fc", False),
                    "attention_bias": layer.get("attention_bias", False), "mlp_bias": layer.get("mlp_bias", False)}
-    if layout == "speculators" and "norm_before_residual" not in c:
-        unsupported["norm_before_residual"] = True  # what vLLM assumes when speculators leaves it out
+    if layout == "speculators" and "norm_before_residual" not in c and c.get("speculators_model_type") == "eagle3":
+        unsupported["norm_before_residual"] = True  # what vLLM assumes when speculators' eagle3 leaves it out
     bad = [k for k, v in unsupported.items() if v]
     num_layers = int(layer.get("num_hidden_layers", 1))
     if num_layers != 1 and layout not in ("vllm", "speculators"):  # SGLang and EAGLE: one `midlayer`
@@ -236,6 +322,11 @@ def _fill_missing(state: dict[str, torch.Tensor], cfg: DraftConfig, target: str 
             raise EyasError(f"{where}: the checkpoint has no embed_tokens (SpecForge and EAGLE leave the target's "
                             "embedding out): pass --target <target model folder> to copy it from the target")
         state["embed_tokens.weight"] = target_embedding(target)
+    if "lm_head.weight" not in state and cfg.family == "dflash":  # the engines use the target's head then
+        if target is None or Vd != V:
+            raise EyasError(f"{where}: the DFlash checkpoint has no lm_head (it shares the target's): pass --target "
+                            "<target model folder> to copy it from the target")
+        state["lm_head.weight"] = target_lm_head(target)
     if "d2t" not in state and "t2d" not in state:
         if Vd != V:
             raise EyasError(f"{where}: missing d2t and t2d, needed for a draft vocabulary of {Vd} < {V} tokens")
@@ -302,18 +393,32 @@ def check_draft_target(cfg: DraftConfig, target_config: Any, where: str, target_
                         + ". Use the target it was trained for, or train a draft for this one.")
 
 
+_EMBEDDING_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                    "language_model.model.embed_tokens.weight", "transformer.wte.weight")
+
+
 def target_embedding(target: str | Path) -> torch.Tensor:
     """The target's input embedding [V, H], read from its safetensors without loading the model."""
-    target = Path(target)
-    names = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
-             "language_model.model.embed_tokens.weight", "transformer.wte.weight")
+    return _target_tensor(Path(target), _EMBEDDING_NAMES, "embedding")
+
+
+def target_lm_head(target: str | Path) -> torch.Tensor:
+    """The target's lm_head [V, H] (its embedding when the two are tied), read from its safetensors."""
+    names = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
+    return _target_tensor(Path(target), names + _EMBEDDING_NAMES, "lm_head")
+
+
+def _target_tensor(target: Path, names: tuple[str, ...], what: str) -> torch.Tensor:
+    """The first of `names` found in the target's safetensors files."""
     files = sorted(target.glob("*.safetensors"))
     if not files:
-        raise EyasError(f"{target} has no *.safetensors to take the target's embedding from")
+        raise EyasError(f"{target} has no *.safetensors to take the target's {what} from")
+    found: dict[str, Path] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            keys = set(f.keys())
-            for name in names:
-                if name in keys:
-                    return f.get_tensor(name)
-    raise EyasError(f"{target}: no embedding tensor ({', '.join(names[:2])}, ...) in its safetensors files")
+            found.update({k: file for k in f.keys() if k in names})  # noqa: SIM118
+    for name in names:
+        if name in found:
+            with safe_open(str(found[name]), framework="pt") as f:
+                return f.get_tensor(name)
+    raise EyasError(f"{target}: no {what} tensor ({', '.join(names[:2])}, ...) in its safetensors files")

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from eyas.utils.io import EyasError, atomic_write_json, sha256_json
 from eyas.utils.schema import option
@@ -45,6 +45,39 @@ def target_config_sha256(target_config: Any) -> str:
     return sha256_json({k: getattr(c, k, None) for k in keys})
 
 
+def mla_dims(text_config: Any, opts: DraftOptions, rope_scaling: dict | None) -> dict[str, Any]:
+    """An MLA draft layer's DraftConfig fields (empty for Llama-style attention): each dim the user's,
+    else the target's; refused when neither gives it, and for rope the engines' MLA layer would
+    compute otherwise (they read any rope scaling as DeepSeek's yarn)."""
+    if opts.draft_attention != "mla":
+        return {}
+    target_is_mla = getattr(text_config, "kv_lora_rank", None) is not None
+    dims: dict[str, Any] = {"attention": "mla"}
+    missing = []
+    for name in MLA_DIMS:
+        value = getattr(opts, "mla_" + name)
+        if value is None:
+            value = getattr(text_config, name, None)
+            if value is None and name == "q_lora_rank" and target_is_mla:
+                value = 0  # an MLA target without a query down-projection (DeepSeek-V2-Lite)
+        if value is None:
+            missing.append(f"--mla-{name.replace('_', '-')}")
+        dims[name] = int(value or 0)
+    if missing:
+        raise EyasError(f"--draft-attention mla: the target has no MLA attention to take {', '.join(missing)} from; "
+                        "pass them (e.g. --mla-q-lora-rank 64 --mla-kv-lora-rank 512 --mla-qk-nope-head-dim 64 "
+                        "--mla-qk-rope-head-dim 64 --mla-v-head-dim 64), or train --draft-attention llama")
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if kind not in ("default", "yarn") or (kind == "yarn" and not rope_scaling.get("factor")):
+        raise EyasError(f"--draft-attention mla: the target's rope scaling {rope_scaling} is not one the engines' MLA "
+                        "draft layer computes (plain rope or DeepSeek's yarn with a factor): train "
+                        "--draft-attention llama")
+    if dims["qk_rope_head_dim"] % 2:
+        raise EyasError(f"--draft-attention mla: qk_rope_head_dim {dims['qk_rope_head_dim']} is odd; rope turns "
+                        "channel pairs: pass an even --mla-qk-rope-head-dim")
+    return dims
+
+
 @dataclass(kw_only=True)
 class DraftOptions:
     """What draft to build for a target: the options of `eyas train` that shape it (the rest of its
@@ -57,11 +90,35 @@ class DraftOptions:
     draft_intermediate_size: int = option(0, help="Width of the draft layer's MLP; 0 = the target's. The engines "
                                           "read it from the exported config.")
     draft_layers: int = option(1, help="Decoder layers in the draft: EAGLE-3 has one; later ones are plain Llama "
-                               "layers over the hidden state (vLLM and speculators serve them, SGLang does not).")
+                               "layers over the hidden state (vLLM and speculators serve them, SGLang does not). "
+                               "dflash: every layer reads the target's context (DFlash's own recipes use 5).")
     fc_norm: bool = option(False, help="EAGLE-3.1: an RMSNorm on each aux layer's state before fc, so a late "
                            "layer's large values do not drown an early one's (vLLM and speculators serve it).")
     norm_output: bool = option(False, help="EAGLE-3.1: each training-time-test step reads the previous step's "
                                "final-normed hidden state, not the raw one (vLLM and speculators serve it).")
+    family: Literal["eagle3", "dflash", "peagle"] = option(
+        "eagle3", help="Draft family: eagle3 (one draft forward per proposed token), dflash (block-parallel: one "
+                       "forward proposes a block) or peagle (P-EAGLE: EAGLE-3's model proposing every token of a "
+                       "chain in one forward, through learned mask slots).")
+    block_size: int = option(16, help="dflash: tokens per block, the anchor included; one draft forward proposes "
+                             "block_size - 1 tokens (vLLM's num_speculative_tokens).")
+    mask_token_id: int = option(-1, show_default="-1: the target's pad token, else the highest id never trained on",
+                                help="dflash, peagle: the token id filling the open slots (dflash reads its frozen "
+                                     "embedding there, peagle a learned one); an id the target never produces.")
+    draft_attention: Literal["llama", "mla"] = option("llama", help="The draft layer's attention: llama "
+                                                      "(grouped-query, served everywhere) or mla (DeepSeek's latent "
+                                                      "attention, for MLA targets such as Kimi-K2.5; vLLM and SGLang "
+                                                      "serve it).")
+    mla_q_lora_rank: int | None = option(None, show_default="the target's", help="mla: rank of the query's "
+                                         "down-projection; 0 = none, a plain q_proj (SGLang needs a rank).")
+    mla_kv_lora_rank: int | None = option(None, show_default="the target's", help="mla: width of the latent "
+                                          "key/value (vLLM's CPU backend runs 512 with a rope dim of 64 only).")
+    mla_qk_nope_head_dim: int | None = option(None, show_default="the target's",
+                                              help="mla: per-head query/key channels without rope.")
+    mla_qk_rope_head_dim: int | None = option(None, show_default="the target's",
+                                              help="mla: per-head query/key channels with rope (one rope key for all "
+                                                   "heads).")
+    mla_v_head_dim: int | None = option(None, show_default="the target's", help="mla: per-head value channels.")
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1:
@@ -71,6 +128,32 @@ class DraftOptions:
                             f"{self.draft_intermediate_size}")
         if self.draft_layers < 1:
             raise EyasError(f"--draft-layers must be >= 1, got {self.draft_layers}")
+        if self.family == "dflash" and (self.fc_norm or self.norm_output):
+            raise EyasError("--fc-norm and --norm-output are EAGLE-3.1 switches; a dflash draft has neither: drop them")
+        if self.family == "peagle" and self.norm_output:
+            raise EyasError("--norm-output changes what a chained step reads; a peagle draft proposes every token in "
+                            "one forward and never chains: drop it")
+        if self.family == "dflash" and self.block_size < 2:
+            raise EyasError(f"--block-size must be >= 2 (the anchor and at least one proposed token), got "
+                            f"{self.block_size}")
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        dims = {name: getattr(self, "mla_" + name) for name in MLA_DIMS}
+        given = [f"--mla-{name.replace('_', '-')}" for name, v in dims.items() if v is not None]
+        if self.draft_attention != "mla" and given:
+            raise EyasError(f"{', '.join(given)} shape an MLA draft layer: add --draft-attention mla, or drop them")
+        if self.draft_attention == "mla" and self.family != "eagle3":
+            raise EyasError(f"--draft-attention mla is an EAGLE-3 draft layer; a {self.family} draft has none: drop it")
+        low = [f"--mla-{name.replace('_', '-')} {v}" for name, v in dims.items()
+               if v is not None and v < (0 if name == "q_lora_rank" else 1)]
+        if low:
+            raise EyasError(f"{', '.join(low)}: MLA dims must be >= 1 (--mla-q-lora-rank >= 0, 0 = no q compression)")
+
+
+_FAMILY_FIELDS = ("family", "block_size", "mask_token_id")  # DraftConfig fields EAGLE-3 configs leave out
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_MLA_FIELDS = ("attention", *MLA_DIMS)  # DraftConfig fields drafts with Llama-style attention leave out
 
 
 @dataclass
@@ -88,10 +171,19 @@ class DraftConfig:
     num_hidden_layers: int = 1  # decoder layers: the first reads [embedding ; hidden], later ones hidden
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer's state before fc
     norm_output: bool = False  # EAGLE-3.1: the next step reads the final-normed hidden state
+    attention: str = "llama"  # the decoder layers' attention: llama (grouped-query) or mla (eyas.model.mla)
+    q_lora_rank: int = 0  # mla: the query's down-projection rank; 0 = a plain q_proj
+    kv_lora_rank: int = 0  # mla: the latent key/value width
+    qk_nope_head_dim: int = 0  # mla: per-head query/key channels without rope (head_dim = nope + rope)
+    qk_rope_head_dim: int = 0  # mla: per-head query/key channels with rope
+    v_head_dim: int = 0  # mla: per-head value channels
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    family: str = "eagle3"  # the draft family (eyas.model.families); absent in older drafts
+    block_size: int = 0  # dflash: tokens per block, the anchor included
+    mask_token_id: int = -1  # dflash, peagle: the token id of the open slots
     target: str = ""
     target_num_layers: int = 0
     target_config_sha256: str = ""
@@ -125,6 +217,9 @@ class DraftConfig:
         if heads % kv_heads:
             kv_heads = heads
         theta, scaling = target_rope(c)
+        mla = mla_dims(c, opts, scaling)
+        if mla:  # per-head keys and values (eyas.model.mla), q and k nope + rope wide
+            kv_heads, head_dim = heads, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         target_positions = int(getattr(c, "max_position_embeddings", 4096) or 4096)
         vocab = int(vocab_size or c.vocab_size)
         return cls(
@@ -145,13 +240,33 @@ class DraftConfig:
             rope_scaling=scaling,
             max_position_embeddings=max(target_positions, max_position_embeddings or 0),
             hidden_act=str(getattr(c, "hidden_act", "silu")),
+            family=opts.family,
+            block_size=opts.block_size if opts.family == "dflash" else 0,
+            mask_token_id=opts.mask_token_id if opts.family in ("dflash", "peagle") else -1,
             target=target,
             target_num_layers=int(c.num_hidden_layers),
             target_config_sha256=target_config_sha256(target_config),
+            **mla,
         )
 
+    @property
+    def rope_dim(self) -> int:
+        """Channels per head that rope turns: all of head_dim, or an MLA layer's rope part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as JSON; an EAGLE-3 config leaves the other families' fields out, so it reads (and
+        fingerprints) exactly as drafts written before families existed."""
+        data = dataclasses.asdict(self)
+        if self.family == "eagle3":
+            for name in _FAMILY_FIELDS:
+                data.pop(name)
+        if self.family == "peagle":
+            data.pop("block_size")
+        if self.attention == "llama":
+            for name in _MLA_FIELDS:
+                data.pop(name)
+        return data
 
     def sha256(self) -> str:
         return sha256_json(self.to_dict())
@@ -179,7 +294,7 @@ class DraftConfig:
         kwargs: dict[str, Any] = dict(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
-            head_dim=self.head_dim,
+            head_dim=self.rope_dim,
             max_position_embeddings=self.max_position_embeddings,
             rope_theta=self.rope_theta,
         )

@@ -10,9 +10,11 @@ layer's state its own RMSNorm before `fc` (deep layers' large norms no longer dr
 layer), and `norm_output` feeds the next step the final-normed hidden state instead of the raw one
 (so its scale cannot drift over the unrolled steps).
 
-Attention is pluggable: the layer computes q, k, v with rotary positions and hands them to an
-`attend(q, k, v)` callable, so the training-time-test pattern (eyas.model.attention.TTTAttention),
-plain causal prefill and KV-cached / tree decoding all share the same weights and math.
+The layer's attention is Llama's or, with `attention: mla`, DeepSeek's latent attention
+(eyas.model.mla, for MLA targets). Attention is pluggable: the layer computes q, k, v with rotary
+positions and hands them to an `attend(q, k, v)` callable, so the training-time-test pattern
+(eyas.model.attention.TTTAttention), plain causal prefill and KV-cached / tree decoding all share
+the same weights and math.
 """
 
 from __future__ import annotations
@@ -84,6 +86,15 @@ class DraftAttention(nn.Module):
         return self.output(attend(*self.project(x, cos, sin)))
 
 
+def attention_module(cfg: DraftConfig, in_dim: int) -> nn.Module:
+    """The layer's attention: Llama's grouped-query attention, or DeepSeek's latent attention (MLA)."""
+    if cfg.attention == "mla":
+        from eyas.model.mla import MLAAttention  # it builds on this module
+
+        return MLAAttention(cfg, in_dim)
+    return DraftAttention(cfg, in_dim)
+
+
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -106,7 +117,7 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)  # first: the token embedding; later: the hidden state
         if first:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # for the incoming hidden state
-        self.self_attn = DraftAttention(cfg, 2 * H if first else H)
+        self.self_attn = attention_module(cfg, 2 * H if first else H)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
@@ -130,28 +141,22 @@ class DraftDecoderLayer(nn.Module):
         return self.finish(hidden, attend(*self.attention_inputs(emb, hidden, cos, sin)))
 
 
-class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        if cfg.fc_norm:  # EAGLE-3.1: one norm per aux layer's state
-            self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
-                                          for _ in range(cfg.num_aux_layers)])
-        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, H, bias=False)
-        if cfg.num_hidden_layers < 1:
-            raise EyasError(f"a draft needs at least one decoder layer, got num_hidden_layers={cfg.num_hidden_layers}")
-        self.layers = nn.ModuleList([DraftDecoderLayer(cfg, first=i == 0) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+class DraftModel(nn.Module):
+    """What every draft family shares (eyas.model.families): the frozen target embedding, rotary
+    positions, the draft vocabulary (lm_head rows and the d2t/t2d maps), the target's head as a start,
+    and the checkpoint folder (docs/architecture.md, contract 3). A family adds its layers, `forward`
+    and `logits`."""
+
+    config: DraftConfig
+    head_from_target = False  # True: lm_head is the target's head, set from it and frozen
+
+    def _register_vocab_maps(self) -> None:
+        """d2t [V_d] int64 (target id = draft id + d2t[draft id]) and t2d [V] bool (in the draft vocabulary)."""
+        cfg = self.config
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
                              if cfg.draft_vocab_size == cfg.vocab_size
                              else torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self._init_rotary()
-        self.reset_parameters()
 
     def _init_rotary(self) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -160,7 +165,7 @@ class Eagle3Draft(nn.Module):
         params = getattr(rc, "rope_parameters", None) or getattr(rc, "rope_scaling", None) or {}
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
-            base, dim = self.config.rope_theta, self.config.head_dim
+            base, dim = self.config.rope_theta, self.config.rope_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
             scaling = 1.0
         else:
@@ -178,8 +183,6 @@ class Eagle3Draft(nn.Module):
         if self.config.draft_vocab_size == self.config.vocab_size:
             self.t2d.fill_(True)
 
-    # -- pieces the training loop and the decoders compose --------------------------------------
-
     def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> cos, sin [B, T, hd]."""
         if self._inv_freq.device != position_ids.device:
@@ -187,37 +190,6 @@ class Eagle3Draft(nn.Module):
         freqs = position_ids[..., None].float() * self._inv_freq  # [B, T, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, k*H_t] target aux states -> [B, T, H] the first step's hidden input."""
-        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
-        if self.config.fc_norm:
-            chunks = aux_hidden.chunk(self.config.num_aux_layers, dim=-1)  # k x [B, T, H_t]
-            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
-        return self.fc(aux_hidden)
-
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attend: Attend, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """One draft step. input_ids [B, T], hidden [B, T, H] -> the draft's hidden output [B, T, H]:
-        what the next step takes as `hidden`, and what `logits` turns into logits (raw; final-normed
-        with `norm_output`).
-        `inputs_embeds` [B, T, H], when given, replaces the embedding lookup (a trainer that keeps
-        the frozen table on the host). A stateful `attend` (TTT, KV cache) gives each layer its own
-        keys through `attend.layer(i)`."""
-        emb = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
-        cos, sin = self.rotary(position_ids, hidden.dtype)
-        per_layer = getattr(attend, "layer", None)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(emb, hidden, cos, sin, per_layer(i) if per_layer else attend)
-        return self.norm(hidden) if self.config.norm_output else hidden
-
-    def head_input(self, hidden_out: torch.Tensor) -> torch.Tensor:
-        """A step's output [..., H] -> what lm_head reads: final-normed once, whichever the variant."""
-        return hidden_out if self.config.norm_output else self.norm(hidden_out)
-
-    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V_d] draft-vocabulary logits."""
-        return self.lm_head(self.head_input(hidden_out))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -263,11 +235,13 @@ class Eagle3Draft(nn.Module):
             tmp.mkdir()
             self.config.save(tmp / "config.json")
             tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "eyas": "draft/1"})
+            # one metadata key: safetensors orders several in a different way in every process (a hash map),
+            # and the same draft would not be the same bytes
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+                        dtype: torch.dtype = torch.float32) -> DraftModel:
         path = Path(path)
         cfg = DraftConfig.load(path / "config.json")
         model = cls(cfg)
@@ -278,6 +252,60 @@ class Eagle3Draft(nn.Module):
         check_state_dict(model, state, str(path))
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype)
+
+
+class Eagle3Draft(DraftModel):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        if cfg.fc_norm:  # EAGLE-3.1: one norm per aux layer's state
+            self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                          for _ in range(cfg.num_aux_layers)])
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, H, bias=False)
+        if cfg.num_hidden_layers < 1:
+            raise EyasError(f"a draft needs at least one decoder layer, got num_hidden_layers={cfg.num_hidden_layers}")
+        self.layers = nn.ModuleList([DraftDecoderLayer(cfg, first=i == 0) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self._register_vocab_maps()
+        self._init_rotary()
+        self.reset_parameters()
+
+    # -- pieces the training loop and the decoders compose --------------------------------------
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, k*H_t] target aux states -> [B, T, H] the first step's hidden input."""
+        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = aux_hidden.chunk(self.config.num_aux_layers, dim=-1)  # k x [B, T, H_t]
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(aux_hidden)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attend: Attend, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft step. input_ids [B, T], hidden [B, T, H] -> the draft's hidden output [B, T, H]:
+        what the next step takes as `hidden`, and what `logits` turns into logits (raw; final-normed
+        with `norm_output`).
+        `inputs_embeds` [B, T, H], when given, replaces the embedding lookup (a trainer that keeps
+        the frozen table on the host). A stateful `attend` (TTT, KV cache) gives each layer its own
+        keys through `attend.layer(i)`."""
+        emb = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        per_layer = getattr(attend, "layer", None)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(emb, hidden, cos, sin, per_layer(i) if per_layer else attend)
+        return self.norm(hidden) if self.config.norm_output else hidden
+
+    def head_input(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """A step's output [..., H] -> what lm_head reads: final-normed once, whichever the variant."""
+        return hidden_out if self.config.norm_output else self.norm(hidden_out)
+
+    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V_d] draft-vocabulary logits."""
+        return self.lm_head(self.head_input(hidden_out))
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

@@ -11,13 +11,15 @@ The differences that silently cost acceptance, and how each layout spells them:
 | number of aux layers | `num_aux_hidden_states` (else 3) | len(ids) | 3 | 3 |
 | more decoder layers | `layers.1.*` ... (plain Llama layers) | same | not served | none |
 | EAGLE-3.1 switches | `fc_norm`, `norm_output` (top level); `fc_norm.i.*` | same | refused: varies by release | none |
+| MLA layer (model.mla) | `Eagle3DeepseekV3ForCausalLM` (deepseek_v2) | none | `Eagle3DeepseekV2ForCausalLM` | none |
 
 Layer id k means the input of target decoder layer k (eyas, vLLM, speculators, transformers'
 `hidden_states[k]`). SGLang adds 1 to the explicit ids it reads from `eagle_config`, so it must be
 given k - 1. SGLang skips any tensor name it does not know without a word: a draft saved with
 `layers.0.*` names runs there with a random decoder layer. The writers (`eyas.export.writers`)
 spell each layout out in full and the readers (`eyas.model.checkpoints`) undo it, so
-`import_draft(export_draft(d))` returns identical tensors.
+`import_draft(export_draft(d))` returns identical tensors. DFlash drafts have one layout that vLLM
+and SGLang both read (`DFlashDraftModel`); what they read differently is in eyas.export.dflash.
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ class EvalOptions:
     out: Path = option(Path("eval"), short="-o", help="Output folder for report.json, report.md and plots.")
     backend: Literal["hf", "vllm"] = option("hf", help="Who decodes: hf (transformers in this process, chains and "
                                             "trees) or vllm (vLLM's own EAGLE-3 decoding, chains).")
+    tp: int = option(1, help="backend vllm: tensor-parallel GPUs of the target (a target larger than one card).")
+    trust_remote_code: bool = option(False, help="backend vllm: let vLLM run the target repository's code.")
     device: str = option("auto", help="auto (cuda when present), cuda, cuda:1, cpu.")
     dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
     seed: int = option(0, help="Sampling seed.")
@@ -67,6 +69,9 @@ class EvalOptions:
             raise EyasError("--max-new-tokens, --max-turns and --max-prompts must be >= 1")
         if not parse_chain(self.chain) and not parse_trees(self.tree):
             raise EyasError("nothing to measure: give --chain and/or --tree")
+        if self.tp < 1 or (self.tp > 1 and self.backend != "vllm"):
+            raise EyasError(f"--tp {self.tp}: tensor parallelism is vLLM's (--backend vllm); the hf backend runs the "
+                            "target on one device")
 
 
 def parse_chain(text: str | None) -> list[int]:
@@ -131,6 +136,7 @@ def run_eval(opts: EvalOptions, log: Any = print) -> Path:
     options_sha256 = sha256_json(options)
     if not opts.force and up_to_date(out / "manifest.json", options_sha256, out / "report.json"):
         log(f"{out} is up to date (same draft, prompts and options); --force reruns it")
+        out.with_name(out.name + PARTIAL_SUFFIX).unlink(missing_ok=True)  # a run killed just after writing OUT
         if compared or opts.label:  # only the presentation changed: redraw from the stored results
             redraw(out, opts.label, compared, log)
         return out
@@ -164,16 +170,18 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
         from eyas.eval.vllm_backend import evaluate_with_vllm
 
         result = evaluate_with_vllm(target_path, opts.draft, sets, chains, opts.temperature, opts.top_p,
-                                    opts.max_new_tokens, opts.seed, log)
+                                    opts.max_new_tokens, opts.seed, log,
+                                    {"tensor_parallel_size": opts.tp, "trust_remote_code": opts.trust_remote_code})
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        from eyas.engines.hf import load_hf_model
         from eyas.eval.runner import evaluate_draft
 
         dev = resolve_device(opts.device)
         dt = resolve_dtype(opts.dtype, dev)
         tokenizer = AutoTokenizer.from_pretrained(target_path)
-        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dt, attn_implementation="sdpa").to(dev).eval()
+        target = load_hf_model(target_path, dt, dev).eval()  # a multimodal wrapper (Kimi-K2.5) runs its text
         draft_model = load_draft(opts.draft, target_path, target, dev, dt)
         done = {(r["set"], r["item"], r["turn"], r["method"]): r for r in partial.records}
         if done:

@@ -1,4 +1,5 @@
 """Export a draft for serving with vLLM, SGLang or vLLM's speculators format; or import a foreign EAGLE-3 draft.
+A DFlash draft is written for vLLM and SGLang (eyas.export.dflash).
 
 Each export folder holds config.json, model.safetensors and a README.md with the exact serve
 command. `--format all` writes one sub-folder per layout. With `--import`, DRAFT may be any EAGLE-3
@@ -15,7 +16,7 @@ from typing import Any, Literal
 import typer
 
 import eyas
-from eyas.export.writers import ServeOptions, export_draft
+from eyas.export.writers import ServeOptions, export_draft, family_writer
 from eyas.model.checkpoints import import_draft
 from eyas.model.layouts import FORMATS
 from eyas.utils.io import EyasError, fingerprint_path, sha256_json
@@ -37,7 +38,8 @@ class ExportOptions:
     model: Path | None = option(None, show_default="none", help="Target model folder: the draft is checked against "
                                 "it; it supplies an embedding or layer count a foreign checkpoint lacks.")
     dtype: Literal["bfloat16", "float16", "float32"] = option("bfloat16", help="Floating-point weights' dtype.")
-    num_speculative_tokens: int = option(3, short="-k", help="Draft tokens per step written in configs and README.")
+    num_speculative_tokens: int = option(0, short="-k", show_default="0: 3 for EAGLE-3, block size - 1 for DFlash",
+                                         help="Draft tokens per step written in configs and README.")
     embedding: bool = option(True, help="Include the embedding (without it the engine uses the target's).")
     import_: bool = option(False, flag="--import", help="Import DRAFT (EAGLE, SpecForge, SGLang, vLLM, speculators) "
                            "into eyas' own layout at --out instead of exporting.")
@@ -47,8 +49,9 @@ class ExportOptions:
                                           help="Override the aux layers, e.g. 2,15,27 (input of decoder layer k).")
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 1:
-            raise EyasError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens < 0:
+            raise EyasError(f"--num-speculative-tokens must be >= 1 (0: the draft family's default), got "
+                            f"{self.num_speculative_tokens}")
 
 
 def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
@@ -56,7 +59,8 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
     draft, out = Path(opts.draft), Path(opts.out)
     formats = list(FORMATS) if opts.format == "all" else [opts.format]
     model = import_draft(draft, target=opts.model, aux_layer_ids=opts.aux_layers, layout=opts.layout)
-    serve = ServeOptions(verifier=opts.verifier, dtype=opts.dtype, num_speculative_tokens=opts.num_speculative_tokens,
+    k = opts.num_speculative_tokens or family_writer(model.config).default_k(model.config)
+    serve = ServeOptions(verifier=opts.verifier, dtype=opts.dtype, num_speculative_tokens=k,
                          include_embedding=opts.embedding)
     fingerprint = fingerprint_path(draft)
     written = []
@@ -64,7 +68,7 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
         dest = out / f if opts.format == "all" else out
         options = {"draft": fingerprint, "format": f, "verifier": opts.verifier,
                    "target": str(opts.model) if opts.model else None, "dtype": opts.dtype,
-                   "num_speculative_tokens": opts.num_speculative_tokens, "include_embedding": opts.embedding,
+                   "num_speculative_tokens": k, "include_embedding": opts.embedding,
                    "layout": opts.layout, "aux_layer_ids": opts.aux_layers, "eyas_version": eyas.__version__}
         options_sha256 = sha256_json(options)
         if up_to_date(dest / "manifest.json", options_sha256, dest / "config.json", dest / "model.safetensors"):

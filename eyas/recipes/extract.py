@@ -38,6 +38,8 @@ from eyas.store import (
     StoreMeta,
     StoreWriter,
     check_disk_for,
+    finish_partial,
+    finished_partial,
     load_plan,
     partial_dir,
     plan_shards,
@@ -130,14 +132,18 @@ def _runs(batch: list[int], cu: list[int], offsets: np.ndarray) -> list[tuple[in
 
 @torch.no_grad()
 def fill_shard(engine: TargetEngine, buf: ShardBuffer, seqs: list[torch.Tensor], token_budget: int, fp8: bool,
-               copy_stream: Any = None, on_batch: Callable[[int, int], None] | None = None) -> Any:
-    """Capture every sample of one shard into `buf`. Returns a CUDA event marking the copies' end (None on CPU)."""
+               copy_stream: Any = None, on_batch: Callable[[int, int], None] | None = None,
+               media: list[Any] | None = None) -> Any:
+    """Capture every sample of one shard into `buf` (`media[i]`: sample i's images, for the vision tower).
+    Returns a CUDA event marking the copies' end (None on CPU)."""
     k = len(engine.aux_layer_ids)
     cuda = copy_stream is not None
     nonfinite = torch.zeros((), dtype=torch.int64, device=engine.device)
     lengths = [int(s.shape[0]) for s in seqs]
     for batch in plan_batches(lengths, token_budget):
-        flat = engine.capture_flat([seqs[i] for i in batch])
+        batch_seqs = [seqs[i] for i in batch]
+        flat = engine.capture_flat(batch_seqs) if media is None else \
+            engine.capture_flat(batch_seqs, [media[i] for i in batch])
         aux, final = flat.aux, flat.final  # [N, k*H], [N, H] on the engine's device
         nonfinite += (~torch.isfinite(final)).sum() + (~torch.isfinite(aux)).sum()
         if fp8:
@@ -195,7 +201,9 @@ def extract_shards(engine: TargetEngine, dataset: Any, writer: StoreWriter, shar
         n = shard.num_tokens
         buf.input_ids[:n] = torch.cat(seqs).to(torch.int32)
         buf.loss_mask[:n] = torch.cat([it["loss_mask"] for it in items]).to(torch.uint8)
-        ready = fill_shard(engine, buf, seqs, token_budget, fp8, copy_stream, on_batch)
+        media = [dataset.media(i) for i in range(shard.first_sample, shard.first_sample + shard.num_samples)] \
+            if getattr(dataset, "has_media", False) else None
+        ready = fill_shard(engine, buf, seqs, token_budget, fp8, copy_stream, on_batch, media)
         writer.submit(buf, ready)
     return tokens
 
@@ -239,6 +247,9 @@ class ExtractOptions:
                                     show_default="none")
     shard_mb: float = option(512, help="Target shard size in MiB.")
     trust_remote_code: bool = option(False, help="Let transformers / vLLM run the model repository's code.")
+    preflight: bool = option(True, help="First run a few samples alone and batched and check the states against a "
+                             "plain transformers forward (aux ids, pre-norm final state, batch invariance, tensor-"
+                             "parallel replies, NaN/inf); stop naming the fault. Costs seconds.")
 
     def __post_init__(self) -> None:
         if self.token_budget < 0 or self.max_samples < 0 or self.tp < 1 or self.shard_mb <= 0:
@@ -264,6 +275,13 @@ def run_extract(opts: ExtractOptions, *, dataset: Any = None, engine_obj: Target
     if up_to_date(out / "manifest.json", meta.options_sha256):
         ranks.log(f"store {out} is up to date (same inputs and options): reusing it")
         return out
+    if finished_partial(out, meta.options_sha256):  # a run killed between its manifest and its rename
+        ranks.barrier()  # every rank looked before rank 0 renames
+        if ranks.rank == 0:
+            finish_partial(out)
+            ranks.log(f"store {out}: finished the interrupted run's last step")
+        ranks.barrier()
+        return out
     if ranks.rank == 0:
         plan = prepare_partial(out, meta, plan_shards(lengths, meta.bytes_per_token(),
                                                       max(1, int(opts.shard_mb * (1 << 20))), ranks.world))
@@ -272,6 +290,10 @@ def run_extract(opts: ExtractOptions, *, dataset: Any = None, engine_obj: Target
         plan = load_plan(out)
     # the engine: built after the cheap checks, so a bad option fails in a second, not after loading 100 GB
     eng = engine_obj or _load_engine(opts, meta.aux_layer_ids)
+    if opts.preflight:
+        from eyas.engines.preflight import preflight_engine, preflight_samples
+
+        preflight_engine(eng, preflight_samples(dataset), trust_remote_code=opts.trust_remote_code, log=ranks.log)
     tokens, dt, writer = _extract(opts, eng, dataset, meta, lengths, plan, ranks, on_shard)
     ranks.barrier()
     if ranks.rank == 0:

@@ -5,7 +5,9 @@ with `datasets`), a hub dataset name (owner/name), or the embedded data `sharegp
 Each conversation is rendered with the --model tokenizer's own chat template; the loss mask covers
 exactly the assistant replies plus their end-of-turn token. Bad rows are skipped and counted by
 reason with examples (file:line); a file that cannot be read stops the job (exit code 2) and leaves
-no output. A second run with the same inputs and options reuses the output.
+no output. A second run with the same inputs and options reuses the output. Messages may hold images
+(OpenAI `image_url` or `{"type": "image"}` parts: a path, file:// or base64 data URL): they go
+through the target's own processor (eyas.data.media); for a text-only target such rows are skipped.
 
     eyas prepare sharegpt --model smollm2 --out data/prepared --show 2
 """
@@ -27,10 +29,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from eyas.data.chat import ChatEncoder
+from eyas.data.chat import ChatEncoder, Encoded
+from eyas.data.media import ImageEncoder, SampleMedia, has_images, target_image_token_ids
 from eyas.data.prepared import FORMAT, SHARD_TOKENS, PreparedDataset, PreparedWriter
 from eyas.data.readers import BadRow, Row, SkipLog, Source, resolve_input
-from eyas.utils.io import EyasError, atomic_path, read_json, sha256_json
+from eyas.utils.io import EyasError, atomic_path, read_json, remove_leftovers, sha256_json
 from eyas.utils.progress import progress_bar
 from eyas.utils.schema import cli_command, option
 
@@ -128,11 +131,12 @@ def tokenizer_sha256(tokenizer: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 
 _ENCODER: ChatEncoder | None = None
+_IMAGES: ImageEncoder | None = None
 
 
-def _init_worker(encoder: ChatEncoder) -> None:
-    global _ENCODER
-    _ENCODER = encoder
+def _init_worker(encoder: ChatEncoder, images: ImageEncoder | None) -> None:
+    global _ENCODER, _IMAGES
+    _ENCODER, _IMAGES = encoder, images
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: a chunk cut short never finishes
 
 
@@ -143,27 +147,39 @@ class ChunkResult:
     input_ids: np.ndarray  # int32 [N_tok]
     loss_mask: np.ndarray  # uint8 [N_tok]
     outcomes: list[tuple]  # ("ok", length, truncated, trimmed) | ("skip", reason, where, detail)
+    media: list[SampleMedia | None]  # per kept sample: its images (None: text only)
 
 
-def encode_rows(rows: list[Row], encoder: ChatEncoder | None = None) -> ChunkResult:
-    encoder = encoder or _ENCODER
+def _encode_with_images(images: ImageEncoder | None, row: Row) -> Encoded | BadRow:
+    if images is None:  # a caller that gave no image encoder (eyas' prepare always gives one)
+        return BadRow("image_for_text_target", "the conversation holds images and no image encoder was given")
+    try:
+        return images.encode(row.messages, row.where)
+    except BadRow as e:
+        return e
+
+
+def encode_rows(rows: list[Row], encoder: ChatEncoder | None = None, images: ImageEncoder | None = None) -> ChunkResult:
+    """Text-only rows are tokenized in one batch; rows with images go one by one through the processor."""
+    encoder, images = encoder or _ENCODER, images or _IMAGES
     assert encoder is not None
-    todo = [r for r in rows if r.skip is None]
+    todo = [r for r in rows if r.skip is None and not has_images(r.messages)]
     encoded = iter(encoder.encode_batch([r.messages for r in todo]))
-    ids, masks, outcomes = [], [], []
+    ids, masks, outcomes, media = [], [], [], []
     for r in rows:
         if r.skip is not None:
             outcomes.append(("skip", r.skip, r.where, r.detail))
             continue
-        e = next(encoded)
+        e = _encode_with_images(images, r) if has_images(r.messages) else next(encoded)
         if isinstance(e, BadRow):
             outcomes.append(("skip", e.reason, r.where, e.detail))
         else:
             ids.append(e.input_ids)
             masks.append(e.loss_mask)
+            media.append(getattr(e, "media", None))
             outcomes.append(("ok", len(e.input_ids), e.truncated, e.trimmed))
     cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))  # noqa: E731
-    return ChunkResult(cat(ids, np.int32), cat(masks, np.uint8), outcomes)
+    return ChunkResult(cat(ids, np.int32), cat(masks, np.uint8), outcomes, media)
 
 
 def _chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
@@ -177,11 +193,12 @@ def _chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
         yield chunk
 
 
-def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_workers: int) -> Iterator[ChunkResult]:
+def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_workers: int,
+                    images: ImageEncoder | None = None) -> Iterator[ChunkResult]:
     """encode_rows over chunks, in order, with at most 2 chunks in flight per worker (bounded memory)."""
     if num_workers <= 1:
         for c in chunks:
-            yield encode_rows(c, encoder)
+            yield encode_rows(c, encoder, images)
         return
     import multiprocessing as mp
 
@@ -189,7 +206,7 @@ def _encoded_chunks(chunks: Iterator[list[Row]], encoder: ChatEncoder, num_worke
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # workers are the parallelism (and no fork warning)
     try:
-        pool = ctx.Pool(num_workers, initializer=_init_worker, initargs=(encoder,))
+        pool = ctx.Pool(num_workers, initializer=_init_worker, initargs=(encoder, images))
     finally:
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM")
@@ -238,6 +255,20 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+def _chat_encoder(cfg: PrepareOptions, tokenizer: Any) -> ChatEncoder:
+    """The encoder of --model's tokenizer with its chat template, or --chat-template's."""
+    template = None
+    if cfg.chat_template is not None:
+        try:
+            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise EyasError(f"cannot read --chat-template {cfg.chat_template}: {e.strerror or e}") from e
+    try:
+        return ChatEncoder(tokenizer, template, cfg.template_kwargs, cfg.max_length, cfg.overlong, cfg.trim_loops)
+    except ValueError as e:  # no chat template
+        raise EyasError(f"'{cfg.model}' has no chat template ({e}). Pass one with --chat-template FILE.") from e
+
+
 def prepare(cfg: PrepareOptions) -> Path:
     """Run the stage; returns the output folder (reused when inputs and options are unchanged)."""
     if not cfg.inputs:
@@ -248,16 +279,7 @@ def prepare(cfg: PrepareOptions) -> Path:
                         "Choose another --out or remove it.")  # fmt: skip
     sources = [resolve_input(name) for name in cfg.inputs]  # fails fast on a missing file
     tokenizer, resolved = load_tokenizer(cfg.model)
-    template = None
-    if cfg.chat_template is not None:
-        try:
-            template = Path(cfg.chat_template).read_text(encoding="utf-8")
-        except OSError as e:
-            raise EyasError(f"cannot read --chat-template {cfg.chat_template}: {e.strerror or e}") from e
-    try:
-        encoder = ChatEncoder(tokenizer, template, cfg.template_kwargs, cfg.max_length, cfg.overlong, cfg.trim_loops)
-    except ValueError as e:  # no chat template
-        raise EyasError(f"'{cfg.model}' has no chat template ({e}). Pass one with --chat-template FILE.") from e
+    encoder = _chat_encoder(cfg, tokenizer)
     template_sha = sha256_json(encoder.chat_template)
     options_sha = sha256_json({
         "format": FORMAT, "mask_version": MASK_VERSION, "inputs": [s.fingerprint() for s in sources],
@@ -267,6 +289,7 @@ def prepare(cfg: PrepareOptions) -> Path:
         **({"trim_loops": cfg.trim_loops} if cfg.trim_loops is not None else {}),  # older outputs stay valid
     })  # fmt: skip
     manifest_path = out / "manifest.json"
+    remove_leftovers(out.parent)  # what a run killed mid-way left next to OUT
     if not cfg.force and manifest_path.is_file():
         old = read_json(manifest_path)
         if old.get("options_sha256") == options_sha and old.get("format") == FORMAT:
@@ -275,13 +298,14 @@ def prepare(cfg: PrepareOptions) -> Path:
             return out
 
     vocab_size = vocab_size_of(tokenizer, resolved)
+    images = ImageEncoder(encoder, resolved, target_image_token_ids(resolved))  # its processor loads on an image
     workers = cfg.num_workers if cfg.num_workers is not None else default_workers()
     log = SkipLog()
     truncated = trimmed = n_rows = 0
     t0 = time.perf_counter()
     with atomic_path(out) as tmp:
-        writer = PreparedWriter(tmp, vocab_size, cfg.shard_tokens)
-        results = _encoded_chunks(_chunks(_rows(sources), CHUNK_ROWS), encoder, workers)
+        writer = PreparedWriter(tmp, vocab_size, cfg.shard_tokens, images.placeholder_ids)
+        results = _encoded_chunks(_chunks(_rows(sources), CHUNK_ROWS), encoder, workers, images)
         try:
             with progress_bar() as bar:
                 task = bar.add_task("prepare", total=cfg.max_samples, tokens=0, info="")
@@ -299,7 +323,8 @@ def prepare(cfg: PrepareOptions) -> Path:
                             trimmed += outcome[3]
                         n_rows += 1
                     n = sum(lengths)  # the chunk's kept samples come first in its arrays
-                    writer.add_many(res.input_ids[:n], res.loss_mask[:n], np.array(lengths, dtype=np.int64))
+                    writer.add_many(res.input_ids[:n], res.loss_mask[:n], np.array(lengths, dtype=np.int64),
+                                    res.media[:len(lengths)])
                     bar.update(task, completed=writer.num_samples, tokens=writer.num_tokens,
                                info=f"{log.total:,} skipped")  # fmt: skip
                     if full:
@@ -308,12 +333,13 @@ def prepare(cfg: PrepareOptions) -> Path:
             results.close()  # stops the workers (e.g. when --max-samples cut the input short)
         if writer.num_samples == 0:
             raise EyasError("no usable conversation in the inputs. Skipped rows:\n" + "\n".join(log.lines()))
+        # no wall-clock time in the manifest: the same data prepared again is the same bytes, so the stages
+        # that fingerprint it (extract, train) stay up to date
         manifest = writer.finish(
             tokenizer=resolved, chat_template_sha256=template_sha, max_length=cfg.max_length,
             overlong=cfg.overlong, skipped=dict(log.counts), truncated=truncated, options_sha256=options_sha,
             trim_loops=cfg.trim_loops, trimmed_tokens=trimmed,
             sources=[s.name for s in sources], skipped_examples=log.examples, rows_read=n_rows,
-            seconds=round(time.perf_counter() - t0, 2),
         )  # fmt: skip
     _summary(out, manifest, log, time.perf_counter() - t0)
     return out
@@ -346,11 +372,13 @@ def _elide(s: str, limit: int = 800) -> str:
 
 
 def show_samples(path: Path, n: int, tokenizer: Any, out: Console | None = None) -> None:
-    """Print n samples spread over the dataset, trained tokens highlighted (marked ⟦…⟧ without colour)."""
+    """Print n samples spread over the dataset, trained tokens highlighted (marked ⟦…⟧ without colour),
+    each image's placeholder tokens shown as one ⟪image: N tokens⟫ mark."""
     out = out or Console(highlight=False)
     ds = PreparedDataset(path)
     if n <= 0 or len(ds) == 0:
         return
+    placeholders = set(ds.manifest.get("media", {}).get("image_token_ids", []))
     plain = out.color_system is None
     for i in sorted({int(x) for x in np.linspace(0, len(ds) - 1, min(n, len(ds)))}):
         sample = ds[i]
@@ -358,11 +386,14 @@ def show_samples(path: Path, n: int, tokenizer: Any, out: Console | None = None)
         out.rule(f"sample {i}: {len(ids):,} tokens, {sum(mask):,} trained")
         text = Text()
         start = 0
-        for k in range(1, len(ids) + 1):  # decode each run of equal mask values as one piece
-            if k == len(ids) or mask[k] != mask[start]:
+        kind = [(m, t in placeholders) for t, m in zip(ids, mask, strict=True)]
+        for k in range(1, len(ids) + 1):  # decode each run of equal mask values (and image tokens) as one piece
+            if k == len(ids) or kind[k] != kind[start]:
                 piece = _elide(tokenizer.decode(ids[start:k], skip_special_tokens=False,
                                                 clean_up_tokenization_spaces=False))  # fmt: skip
-                if mask[start]:
+                if kind[start][1]:
+                    text.append(f"⟪image: {k - start} tokens⟫", style="bold magenta")
+                elif mask[start]:
                     text.append(f"⟦{piece}⟧" if plain else piece, style="bold black on green")
                 else:
                     text.append(piece, style="dim")

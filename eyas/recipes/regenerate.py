@@ -58,6 +58,8 @@ class RegenerateOptions(Sampling):
                              "same command resumes the rest. 0 = no limit.")
     kv_cache_gb: float = option(0, help="generator static: GiB of KV cache (more rows decode at once); 0 = 60% of "
                                 "the free GPU memory.")
+    preflight: bool = option(True, help="First check the generator's greedy replies to a few prompts against the "
+                             "target's own next token (a plain transformers forward); stop when they part.")
 
     def __post_init__(self) -> None:
         Sampling.__post_init__(self)
@@ -94,6 +96,7 @@ def run_regenerate(opts: RegenerateOptions, *, model: Any = None, tokenizer: Any
         options["model_params"] = sum(p.numel() for p in model.parameters())
     if up_to_date(out.with_name(out.name + ".manifest.json"), sha256_json(options), out):
         typer.echo(f"{out} is up to date (same inputs and options): reusing it", err=True)
+        out.with_name(out.name + ".partial").unlink(missing_ok=True)  # a run killed just after writing OUT
         return out
 
     convs, log = _read_conversations(sources, opts.max_samples, opts.inputs)
@@ -101,8 +104,15 @@ def run_regenerate(opts: RegenerateOptions, *, model: Any = None, tokenizer: Any
                                         opts.device, opts.trust_remote_code)
 
     def rewrite(todo: list[int], save: Any) -> None:
-        run_generator(name, model, tokenizer, sampling, opts.max_length,
-                      lambda gen: gen.run(convs, batch_size, todo, sampling.seed, save),
+        def work(gen: Any) -> None:
+            if opts.preflight:
+                from eyas.generate.preflight import preflight_generator
+
+                preflight_generator(gen, model, convs, trust_remote_code=opts.trust_remote_code,
+                                    log=lambda msg: typer.echo(msg, err=True))
+            gen.run(convs, batch_size, todo, sampling.seed, save)
+
+        run_generator(name, model, tokenizer, sampling, opts.max_length, work,
                       fallback=opts.generator == "auto", window=opts.window, kv_cache_gb=opts.kv_cache_gb,
                       tp=opts.tp, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code)
 

@@ -17,6 +17,7 @@ Config sections are the stages' own options (see `eyas STAGE --help`), e.g.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from eyas.recipes.launch import plan_processes
 from eyas.utils.io import EyasError, atomic_write_json, read_json, sha256_json
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import cli_command, from_mapping, option, to_mapping
@@ -41,6 +43,8 @@ class RunConfig:
     target: str = "smollm2"
     workdir: Path | None = None
     online: bool = False
+    gpus: int = 0  # GPUs of this node the run may use: extract and train then start that many processes
+    compare_untrained: bool = True  # also measure the draft untrained (the 'before training' mark)
     prepare: dict[str, Any] = field(default_factory=dict)
     regenerate: dict[str, Any] = field(default_factory=dict)
     extract: dict[str, Any] = field(default_factory=dict)
@@ -51,12 +55,16 @@ class RunConfig:
 
 @dataclass
 class Stage:
-    """One stage of a run: its validated options, the outputs that show it finished, and how to run it."""
+    """One stage of a run: its validated options (a list for training schedules), the outputs that show it
+    finished, and how to run it."""
 
     name: str
     options: Any
     outputs: list[Path]
     run: Callable[[], None]
+    nproc: int = 1  # processes; several: `commands` start them under torchrun (eyas.recipes.launch)
+    commands: list[list[str]] = field(default_factory=list)
+    refused: str | None = None  # why `eyas run` cannot start those processes here
 
 
 def load_config(path: Path) -> RunConfig:
@@ -71,7 +79,7 @@ def load_config(path: Path) -> RunConfig:
         raise EyasError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from e
     if not isinstance(raw, dict):
         raise EyasError(f"{path}: the config must be a mapping of sections (target, workdir, prepare, ...)")
-    allowed = {"target", "workdir", "online", *STAGES}
+    allowed = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise EyasError(f"{path}: unknown top-level key(s) {unknown}; valid: {sorted(allowed)}")
@@ -84,6 +92,7 @@ def _section(cfg: RunConfig, path: Path, stage: str, cls: type, owned: dict[str,
     """The stage's options from its section plus what the run itself sets (`owned`), checked as a whole."""
     section = dict(getattr(cfg, stage) if section is None else section)
     section.pop("enabled", None)
+    section.pop("nproc", None)  # how many processes run it: eyas.recipes.launch
     taken = sorted(set(section) & set(owned))
     if taken:
         raise EyasError(f"{path}: {stage}.{taken[0]} is set by `eyas run` itself (the work folder's paths, the "
@@ -91,13 +100,16 @@ def _section(cfg: RunConfig, path: Path, stage: str, cls: type, owned: dict[str,
     return from_mapping(cls, {**owned, **section}, f"{path}: {stage}")
 
 
-def plan_pipeline(cfg: RunConfig, path: Path) -> list[Stage]:
-    """Every stage of the run with validated options, in order; raises on any bad section."""
-    from eyas.recipes import evaluate, export, extract, prepare, regenerate, train
+def plan_pipeline(cfg: RunConfig, path: Path, refuse: bool = True) -> list[Stage]:
+    """Every stage of the run with validated options, in order; raises on any bad section, and (with
+    `refuse`) on a stage whose processes `eyas run` cannot start here."""
+    from eyas.recipes import export, extract, prepare, regenerate
 
     work = Path(cfg.workdir or Path("runs") / path.stem)
     paths = {name: work / name for name in ("regenerated", "prepared", "store", "train", "export", "eval")}
-    inputs = list(cfg.prepare.get("inputs") or ["sharegpt"])
+    inputs = cfg.prepare.get("inputs") or ["sharegpt"]
+    if not isinstance(inputs, list):  # else `inputs: dummy` would read as the inputs d, u, m, m, y
+        raise EyasError(f"{path}: prepare.inputs = {inputs!r}: expected a list of text, e.g. inputs: [{inputs}]")
     stages = []
     if cfg.regenerate.get("enabled", False):
         out = paths["regenerated"] / "conversations.jsonl"
@@ -116,38 +128,75 @@ def plan_pipeline(cfg: RunConfig, path: Path) -> list[Stage]:
                        {"prepared": paths["prepared"], "model": cfg.target, "out": paths["store"]})
         stages.append(Stage("extract", ext, [paths["store"] / "manifest.json"], lambda: extract.run_extract(ext)))
         train_owned["store"] = paths["store"]
-    tr = _section(cfg, path, "train", train.TrainOptions, train_owned)
-    draft = paths["train"] / "draft"
-    stages.append(Stage("train", tr, [draft / "model.safetensors"], lambda: _train(tr)))
+    train_stage = _train_stage(cfg, path, train_owned)
+    stages.append(train_stage)
+    draft = Path(train_stage.options[-1].out) / "draft"
     exp = _section(cfg, path, "export", export.ExportOptions, {"draft": draft, "out": paths["export"],
                                                                "format": "all"})
     stages.append(Stage("export", exp, [paths["export"]], lambda: export.run_export(exp)))
-    before, after = paths["eval"] / "untrained", paths["eval"] / "trained"
-    untrained = work / "draft-untrained"
+    stages.append(_eval_stage(cfg, path, draft, paths["eval"], work / "draft-untrained"))
+    plan_processes(cfg, stages, train=_train, refuse=refuse)  # several processes: torchrun, or a refusal now
+    return stages
+
+
+def _eval_stage(cfg: RunConfig, path: Path, draft: Path, out: Path, untrained: Path) -> Stage:
+    """The trained draft measured against the target alone and, with `compare_untrained`, against the same
+    draft untrained (the 'before training' mark; it doubles the decoding)."""
+    from eyas.recipes import evaluate
+
+    before, after = out / "untrained", out / "trained"
+    owned = {"model": cfg.target, "draft": str(draft), "out": after, "label": "trained"}
+    if not cfg.compare_untrained:
+        trained = _section(cfg, path, "eval", evaluate.EvalOptions, owned)
+        return Stage("eval", trained, [after / "report.json"], lambda: evaluate.run_eval(trained))
     ev_untrained = _section(cfg, path, "eval", evaluate.EvalOptions,
                             {"model": cfg.target, "draft": str(untrained), "out": before, "label": "untrained",
                              "baseline": False})
     ev_trained = _section(cfg, path, "eval", evaluate.EvalOptions,
-                          {"model": cfg.target, "draft": str(draft), "out": after, "label": "trained",
-                           "compare": [str(before / "report.json")]})
+                          {**owned, "compare": [str(before / "report.json")]})
 
     def run_eval() -> None:
         make_untrained_draft(draft, untrained)
         evaluate.run_eval(ev_untrained)
         evaluate.run_eval(ev_trained)
 
-    stages.append(Stage("eval", ev_trained, [after / "report.json", before / "report.json"], run_eval))
-    return stages
+    return Stage("eval", ev_trained, [after / "report.json", before / "report.json"], run_eval)
 
 
-def _train(opts: Any) -> None:
+def _train_stage(cfg: RunConfig, path: Path, owned: dict[str, Any]) -> Stage:
+    """Training as one stage of one or more schedules. With `schedules:` (a list of option mappings) in the
+    train section, schedule i trains from schedule i-1's draft (`init_draft`) with the section's options
+    overridden by its own, in OUT/schedule-i/; each resumes on its own and a finished one is up to date."""
+    from eyas.recipes.train import TrainOptions
+
+    section = dict(cfg.train)
+    schedules = section.pop("schedules", None)
+    if schedules is None:
+        opts = [_section(cfg, path, "train", TrainOptions, owned, section)]
+        return Stage("train", opts, [Path(owned["out"]) / "draft" / "model.safetensors"], lambda: _train(opts))
+    if not isinstance(schedules, list) or not schedules or not all(isinstance(s, dict) for s in schedules):
+        raise EyasError(f"{path}: train.schedules must be a list of option mappings, e.g. [{{max_steps: 3500}}, "
+                        "{max_steps: 2400, lr: 0.0002}]")
+    root, opts = Path(owned["out"]), []
+    for i, sched in enumerate(schedules):
+        mine = {**owned, "out": root / f"schedule-{i}"}
+        if i:
+            mine["init_draft"] = root / f"schedule-{i - 1}" / "draft"
+            sched = {k: v for k, v in sched.items() if k != "init_head"}  # a later schedule starts from a draft
+        opts.append(_section(cfg, path, f"train.schedules[{i}]", TrainOptions, mine, {**section, **sched}))
+    return Stage("train", opts, [Path(opts[-1].out) / "draft" / "model.safetensors"], lambda: _train(opts))
+
+
+def _train(schedules: list[Any], run: Callable[[Any], dict[str, Any]] | None = None) -> None:
+    """Train each schedule in turn, in this process (`run_train`) or as `run` starts it (under torchrun)."""
     from eyas.recipes.train import run_train
 
-    done = run_train(opts)
-    if not done.get("complete", True):  # cut by max_time: not done, and the next `eyas run` resumes it
-        raise EyasError(f"train stopped at its max_time budget after {done['steps']}/{done['total_steps']} steps; "
-                        f"the draft so far is in {Path(opts.out) / 'draft'}. Run the same `eyas run` again to "
-                        "continue.")
+    for opts in schedules:
+        done = (run or run_train)(opts)
+        if not done.get("complete", True):  # cut by max_time: not done, and the next `eyas run` resumes it
+            raise EyasError(f"train stopped at its max_time budget after {done['steps']}/{done['total_steps']} "
+                            f"steps; the draft so far is in {Path(opts.out) / 'draft'}. Run the same `eyas run` "
+                            "again to continue.")
 
 
 def make_untrained_draft(trained: Path, out: Path, seed: int = 0) -> None:
@@ -162,6 +211,17 @@ def make_untrained_draft(trained: Path, out: Path, seed: int = 0) -> None:
     draft.save_pretrained(out)
 
 
+def stage_keys(stages: list[Stage]) -> list[str]:
+    """Each stage's key in the run's ledger: its options and everything upstream of it, so a changed
+    option reruns that stage and the ones after it."""
+    keys, upstream = [], ""
+    for st in stages:
+        options = [to_mapping(o) for o in st.options] if isinstance(st.options, list) else to_mapping(st.options)
+        upstream = sha256_json({"options": options, "upstream": upstream})
+        keys.append(upstream)
+    return keys
+
+
 def run_pipeline(cfg: RunConfig, config_path: Path, force: set[str] = frozenset()) -> dict[str, Any]:
     for stage in force:
         if stage not in STAGES:
@@ -171,10 +231,8 @@ def run_pipeline(cfg: RunConfig, config_path: Path, force: set[str] = frozenset(
     work.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]eyas run[/] {config_path} → {work}  (target: {cfg.target}, "
                   f"{'online' if cfg.online else 'offline'} training)")
-    ledger, upstream = work / "run_state.json", ""
-    for st in stages:
-        key = sha256_json({"options": to_mapping(st.options), "upstream": upstream})
-        upstream = key
+    ledger = work / "run_state.json"
+    for st, key in zip(stages, stage_keys(stages), strict=True):
         if st.name not in force and up_to_date(ledger, key, *st.outputs, entry=st.name):
             console.print(f"[green]✓ {st.name}[/] up to date, skipped")
             continue
@@ -215,7 +273,8 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     """Print what a person wants at the end: did training help, where is the draft, how to serve it."""
     from rich.table import Table
 
-    tau_before, tau_after = _overall_tau(before / "report.json"), _overall_tau(after / "report.json")
+    tau_after = _overall_tau(after / "report.json")
+    tau_before = _overall_tau(before / "report.json") if (before / "report.json").is_file() else {}
     speed = {m: v.get("speedup") for m, v in read_json(after / "report.json")["results"]["all"].items()}
     table = Table(title="acceptance length tau (MT-Bench style prompts), before and after training")
     for col in ("method", "tau untrained", "tau trained", "speedup (trained)"):
@@ -232,9 +291,43 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     if serve:
         out.print("serve with vLLM:")
         out.print(serve, markup=False, highlight=False, soft_wrap=True)
-    summary = {"tau_untrained": tau_before, "tau_trained": tau_after, "export": str(export_dir), "serve": serve}
+    words = in_words(read_json(after / "report.json"), tau_before, export_dir)
+    out.print("\n" + words, highlight=False)
+    summary = {"tau_untrained": tau_before, "tau_trained": tau_after, "export": str(export_dir), "serve": serve,
+               "in_words": words}
     atomic_write_json(workdir / "summary.json", summary)
     return summary
+
+
+def in_words(report: dict[str, Any], tau_before: dict[str, float], export_dir: Path) -> str:
+    """What the eval's numbers mean for someone who has just run the pipeline, in plain sentences."""
+    results = {m: v for m, v in report["results"]["all"].items() if v.get("tau") is not None}
+    if not results:
+        return "The eval measured no method, so there is nothing to summarize."
+    best = max(results, key=lambda m: results[m]["tau"])
+    tau = results[best]["tau"]
+    lines = [f"What this means: each forward of the target produced {tau:.2f} tokens on average with {best} "
+             f"(the target alone produces 1.00)"
+             + (f"; the untrained draft gave {tau_before[best]:.2f}." if best in tau_before else ".")]
+    speed = {m: v["speedup"] for m, v in results.items() if isinstance(v.get("speedup"), (int, float))}
+    if speed:
+        fastest = max(speed, key=speed.get)
+        device = report["meta"].get("gpu") or report["meta"].get("device", "this machine")
+        if speed[fastest] > 1:
+            lines.append(f"Decoding with the draft ({fastest}) ran {speed[fastest]:.2f}x as fast as the target alone "
+                         f"on {device}, in the same engine on the same prompts.")
+        else:
+            lines.append(
+                f"Decoding with the draft was slower here: {speed[fastest]:.2f}x the target alone's speed at best "
+                f"({fastest}, {device}). A speedup needs more tokens per target forward than a verify step costs "
+                "in target-alone steps; on a CPU a forward over a few tokens costs far more than over one (small "
+                "matrix products run at vector speed), so a draft trained for minutes cannot pay for itself. "
+                f"`python benchmarks/verify_step.py --draft {export_dir / 'vllm'}` shows where the time goes.")
+    if str(report["meta"].get("target", "")).rstrip("/").endswith("SmolLM2-135M-Instruct"):
+        lines.append("The GPU recipe for this target, configs/smollm2-quality.yaml, trains a draft that reaches "
+                     "3.51 tokens per forward (chain of 7) and 5.08 (tree) on all 80 MT-Bench questions "
+                     "(docs/benchmarks.md).")
+    return "\n".join(lines)
 
 
 @dataclass(kw_only=True)
@@ -244,6 +337,17 @@ class RunOptions:
     config: Path = option(positional=True, help="YAML config: target, workdir, online, and one section per stage "
                           "holding that stage's options (see configs/).")
     force: list[str] = option(default_factory=list, help="Rerun this stage (repeatable) even if up to date.")
+    dry_run: bool = option(False, help="Print the plan and stop: what `eyas plan` prints (samples, tokens, disk, "
+                           "memory, time, what is up to date) and the commands of stages run under torchrun.")
 
 
-cli = cli_command(RunOptions, lambda o: run_pipeline(load_config(o.config), config_path=o.config, force=set(o.force)))
+def _run_command(o: RunOptions) -> None:
+    if o.dry_run:
+        from eyas.recipes.plan import show_plan
+
+        show_plan(o.config, refuse=True)
+        return
+    run_pipeline(load_config(o.config), config_path=o.config, force=set(o.force))
+
+
+cli = cli_command(RunOptions, _run_command)

@@ -8,6 +8,10 @@ Online, with the target in the loop (no states on disk):
 
     eyas train --prepared DATA --online --model TARGET --out OUT
 
+Either trains an EAGLE-3 draft, or with `--family dflash` a DFlash (block-parallel) one or with
+`--family peagle` a P-EAGLE (parallel-drafting EAGLE-3) one from the same data: the family picks the
+model (eyas.model.families) and the objective (eyas.train.objectives).
+
 Several GPUs: `torchrun --nproc-per-node 8 -m eyas.cli train ... [--fsdp]`. OUT/draft is the draft
 checkpoint (for `eyas export` and `eyas eval`); OUT/metrics.jsonl has loss, per-step accuracy and
 tau_sim; OUT/train_state/ holds checkpoints for --resume.
@@ -25,7 +29,7 @@ import numpy as np
 import torch
 import typer
 
-from eyas.model.config import DraftConfig, DraftOptions
+from eyas.model.config import MLA_DIMS, DraftConfig, DraftOptions
 from eyas.train.config import TrainConfig
 from eyas.utils.io import EyasError, atomic_write_json, fingerprint_path, read_json, sha256_json
 from eyas.utils.resume import up_to_date
@@ -42,12 +46,29 @@ class TrainOptions(DraftOptions, TrainConfig):
 
     out: Path = option(short="-o", help="Output folder: OUT/draft, OUT/metrics.jsonl, OUT/train_state/.")
     store: Path | None = option(None, help="Hidden-state store from `eyas extract` (offline training).")
+    verify_store: bool = option(False, help="Check every store file's sha256 before training, which finds flipped "
+                                "bytes; it reads the whole store once (about 1.5 s per GiB on 2 CPU cores). Every "
+                                "file's header and size are checked always.")
     prepared: Path | None = option(None, help="Prepared dataset from `eyas prepare` (with --online).")
     online: bool = option(False, help="Run the target in the loop instead of reading a store.")
     model: str | None = option(None, show_default="online: required; offline: the store's target",
                                help="Target model folder or cached hub id.")
     engine: Literal["hf", "vllm"] = option("hf", help="What runs the target online: hf (transformers in this "
-                                           "process) or vllm.")
+                                           "process) or vllm (tensor parallel with --tp).")
+    tp: int = option(1, help="Online, vllm engine: tensor-parallel GPUs of the target. Under torchrun one target "
+                     "per node (in local rank 0) feeds every rank of the node.")
+    device_map: str | None = option(None, show_default="none", help="Online, hf engine: `auto` spreads a large "
+                                    "target over the target's GPUs (--target-gpus); one per node under torchrun.")
+    target_gpus: list[int] | None = option(None, comma=True, show_default="the GPUs after the trainers' (vllm: --tp "
+                                           "of them); hf without --device-map: the trainer's",
+                                           help="Online: the node's GPUs the target takes (torchrun gives trainer "
+                                                "local rank r GPU r), e.g. 2,3,4,5,6,7.")
+    target_options: dict[str, Any] = option(default_factory=dict, show_default="none",
+                                            help="Online: more target engine options, as JSON (vllm: "
+                                                 "gpu_memory_utilization, kv_cache_memory_bytes, llm_kwargs; hf: "
+                                                 "attn_implementation).")
+    prefetch: int = option(2, help="Online: optimizer steps of target states computed ahead of the draft (the "
+                           "bounded in-memory queue between them).")
     target_dtype: str = option("auto", help="Compute dtype of the target online: auto (bf16 on GPU, fp32 on CPU), "
                                "bfloat16, float32.")
     aux_layers: list[int] | None = option(None, comma=True, show_default="online: 2,N//2,N-3; offline: the store's",
@@ -61,6 +82,9 @@ class TrainOptions(DraftOptions, TrainConfig):
                              "the draft vocabulary, the final norm folded in) instead of random weights.")
     resume: bool = option(False, help="Continue from the latest checkpoint in OUT/train_state.")
     trust_remote_code: bool = option(False, help="Let transformers run the target repository's code.")
+    preflight: bool = option(True, help="Online: first run a few samples alone and batched and check the target's "
+                             "states against a plain transformers forward (aux ids, pre-norm final state, batch "
+                             "invariance, tensor-parallel replies, NaN/inf); stop naming the fault.")
 
     def __post_init__(self) -> None:
         DraftOptions.__post_init__(self)
@@ -70,9 +94,21 @@ class TrainOptions(DraftOptions, TrainConfig):
         if self.prepared is not None and not self.online:
             raise EyasError("--prepared trains online, with the target in the loop: add --online --model TARGET "
                             "(or run `eyas extract` and train with --store)")
+        if self.tp < 1 or self.prefetch < 1:
+            raise EyasError(f"--tp and --prefetch must be >= 1, got {self.tp} and {self.prefetch}")
+        spread = {"--tp": self.tp > 1, "--device-map": self.device_map is not None,
+                  "--target-gpus": self.target_gpus is not None, "--target-options": bool(self.target_options)}
+        if not self.online and any(spread.values()):
+            raise EyasError(f"{', '.join(k for k, v in spread.items() if v)}: options of the target online; offline "
+                            "training reads the store (give them to `eyas extract`)")
+        if (self.tp > 1 and self.engine != "vllm") or (self.device_map is not None and self.engine != "hf"):
+            raise EyasError("--tp is for the vllm engine and --device-map for the hf engine")
         if self.init_head and self.init_draft is not None:
             raise EyasError("--init-head starts a fresh draft's lm_head from the target's; --init-draft brings a "
                             "trained lm_head already: drop one of them")
+        if self.family != "eagle3" and self.reply_start_weight != 1.0:
+            raise EyasError(f"--reply-start-weight is an EAGLE-3 objective option; a {self.family} draft weighs its "
+                            "positions otherwise (dflash: --block-gamma): drop it")
 
 
 @dataclass
@@ -87,8 +123,9 @@ class Source:
     aux_ids: list[int]
     head: Any  # TargetHead
     identity: dict[str, Any]  # what the fingerprint records about the data
-    engine: Any = None  # online: the target engine
+    engine: Any = None  # online: the target engine (None on ranks another rank's target feeds)
     owns_engine: bool = False
+    feed: Any = None  # online: eyas.train.online.TargetFeed, the states ahead of the draft
 
 
 class TrainRecipe:
@@ -103,9 +140,10 @@ class TrainRecipe:
         self.info = D.init_distributed(opts.device)
         self.say = log or (lambda msg: typer.echo(msg, err=True) if self.info.is_main else None)
         self.out = Path(opts.out)
-        self.source = self.setup_source(engine)
-        self.dcfg, self.init = self.setup_draft_config()
         self.budget = opts.token_budget or (16384 if self.info.device.type == "cuda" else 1024)
+        self.source = self.setup_source(engine)
+        self._counts: torch.Tensor | None = None
+        self.dcfg, self.init = self.setup_draft_config()
         self.setup_plan()
         self.options = self.fingerprint()
         self.options_sha = sha256_json(self.options)
@@ -121,7 +159,7 @@ class TrainRecipe:
             from eyas.model.config import target_config_sha256
             from eyas.store import HiddenStore
 
-            st = HiddenStore(o.store, o.aux_layers)
+            st = HiddenStore(o.store, o.aux_layers, verify=o.verify_store)
             m = st.manifest
             name = resolve_model(o.model) if o.model else m["target"]
             cfg = read_target_config(name, o.trust_remote_code)
@@ -131,37 +169,58 @@ class TrainRecipe:
             return Source("store", Path(o.store), st.lengths, name, cfg, st.aux_layer_ids, st.target_head(),
                           {"store": m.get("options_sha256"), "num_tokens": m["num_tokens"]})
         from eyas.data.prepared import PreparedDataset
+        from eyas.train.online import open_online_target
 
         ds = PreparedDataset(o.prepared)
+        if ds.has_media:  # the online batches carry token ids only: image samples would lose their images
+            raise EyasError(f"{o.prepared} holds samples with images, which online training does not run the vision "
+                            "tower for yet: `eyas extract` it (the store then holds their states) and train on it")
         owns = engine is None
-        if owns:
-            if not o.model:
-                raise EyasError("--online needs --model TARGET (a transformers folder or cached hub id)")
-            from eyas.engines import load_engine
+        if owns and not o.model:
+            raise EyasError("--online needs --model TARGET (a transformers folder or cached hub id)")
+        target = open_online_target(o, self.info, ds.lengths, self.budget, engine)  # None on ranks fed by another
+        engine = target.engine
+        if target.feed.layout.clients:
+            self.say(f"one target per node: rank {self.info.rank} runs it and sends ranks "
+                     f"{target.feed.layout.clients} their states")
+        if o.preflight and engine is not None:
+            from eyas.engines.preflight import preflight_engine, preflight_samples
 
-            engine = load_engine(o.engine, resolve_model(o.model), aux_layer_ids=o.aux_layers,
-                                 dtype=o.target_dtype, device=str(self.info.device),
-                                 trust_remote_code=o.trust_remote_code)
-        name = getattr(engine, "model_name", str(o.model))
-        cfg = getattr(engine, "config", None) or read_target_config(name, o.trust_remote_code)
-        return Source("prepared", Path(o.prepared), ds.lengths, name, cfg, list(engine.aux_layer_ids),
-                      engine.target_head(), {"prepared": ds.manifest.get("options_sha256"),
-                                             "num_tokens": ds.num_tokens, "target": name},
-                      engine=engine, owns_engine=owns)
+            preflight_engine(engine, preflight_samples(ds), trust_remote_code=o.trust_remote_code, log=self.say)
+        name = target.name
+        cfg = target.config or read_target_config(name, o.trust_remote_code)
+        return Source("prepared", Path(o.prepared), ds.lengths, name, cfg, target.aux_ids, target.head,
+                      {"prepared": ds.manifest.get("options_sha256"), "num_tokens": ds.num_tokens, "target": name},
+                      engine=engine, owns_engine=owns, feed=target.feed)
 
     def setup_draft_config(self) -> tuple[DraftConfig, Any]:
         """The draft's config from every draft option at once, and the draft --init-draft names."""
+        from eyas.model.config import text_config
+        from eyas.model.dflash import choose_mask_token
+
         src = self.source
         dcfg = DraftConfig.from_target_config(src.target_config, src.aux_ids, target=str(src.target_name),
                                               options=subset(self.opts, DraftOptions), vocab_size=src.head.vocab_size)
         if self.opts.init_draft is None:
+            if dcfg.family in ("dflash", "peagle") and dcfg.mask_token_id < 0:
+                pad = getattr(text_config(src.target_config), "pad_token_id", None)
+                dcfg.mask_token_id = choose_mask_token(self.token_counts(), pad)
             return dcfg, None
         init = load_init_draft(Path(self.opts.init_draft), dcfg, src.target_name)
         if init.config.draft_vocab_size != dcfg.draft_vocab_size:
             self.say(f"--init-draft: keeping its draft vocabulary of {init.config.draft_vocab_size:,} tokens "
                      f"(--draft-vocab-size {dcfg.draft_vocab_size:,} applies to fresh drafts)")
             dcfg = DraftConfig(**{**dcfg.to_dict(), "draft_vocab_size": init.config.draft_vocab_size})
+        dcfg.mask_token_id = init.config.mask_token_id  # the same, or chosen by default for it
         return dcfg, init
+
+    def token_counts(self) -> torch.Tensor:
+        """[V] how often each token id is trained on (the draft vocabulary, DFlash's mask token)."""
+        from eyas.train.data import token_counts
+
+        if self._counts is None:
+            self._counts = token_counts(self.source.path, self.source.kind, self.source.head.vocab_size)
+        return self._counts
 
     def setup_plan(self) -> None:
         """Held-out samples and the packing plan; the number of steps."""
@@ -180,28 +239,28 @@ class TrainRecipe:
 
     def fingerprint(self) -> dict[str, Any]:
         """Everything the trained draft depends on: a rerun with the same reuses OUT, and a resume must match."""
+        from eyas.train.objectives import OBJECTIVES
+
         o = self.opts
-        schedule = {**o.schedule_options(), "token_budget": self.budget}
+        schedule = {**o.schedule_options(OBJECTIVES[self.dcfg.family].options), "token_budget": self.budget}
         return {"format": TRAIN_STATE_FORMAT, "source": self.source.identity, "kind": self.source.kind,
                 "draft": {k: v for k, v in self.dcfg.to_dict().items() if k != "extra"}, "train": schedule,
                 "world": self.info.world, "init": fingerprint_path(o.init_draft) if self.init is not None else None,
                 "init_head": o.init_head}
 
     def setup_trainer(self) -> Any:
-        from eyas.model.draft import Eagle3Draft
+        from eyas.model.families import build_draft
         from eyas.model.vocab import build_draft_vocab
-        from eyas.train.data import token_counts
         from eyas.train.trainer import Trainer
 
         src, o = self.source, self.opts
         torch.manual_seed(o.seed)
-        draft = Eagle3Draft(self.dcfg)
+        draft = build_draft(self.dcfg)
         if self.init is not None:
             draft.load_state_dict(self.init.state_dict())
         else:
-            counts = token_counts(src.path, src.kind, self.dcfg.vocab_size)
-            draft.set_vocab(*build_draft_vocab(counts, self.dcfg.draft_vocab_size))
-            if o.init_head:
+            draft.set_vocab(*build_draft_vocab(self.token_counts(), self.dcfg.draft_vocab_size))
+            if o.init_head or draft.head_from_target:
                 draft.init_lm_head_from_target(src.head.lm_head, src.head.norm_weight, src.head.norm_offset)
         draft.load_target_embedding(src.head.embed_tokens, src.head.embed_scale)
         cfg = subset(o, TrainConfig)
@@ -255,12 +314,12 @@ class TrainRecipe:
             self.close()
 
     def loop(self, trainer: Any, progress: dict[str, Any], resumed: bool) -> tuple[dict[str, Any], float]:
-        from eyas.train.data import PackDataset, Plan, SampleSource, fill_states, iterate_batches
+        from eyas.train.data import PackDataset, Plan, SampleSource, iterate_batches
         from eyas.train.loop import run_loop
         from eyas.train.metrics import MetricsLog
 
         src, o, info = self.source, self.opts, self.info
-        online = src.engine is not None
+        online = src.feed is not None
         metrics = MetricsLog(self.out, o.report_to, trainer.step if resumed else None, self.options) \
             if info.is_main else None
         self.say(f"training a draft for {src.target_name}: "
@@ -269,9 +328,15 @@ class TrainRecipe:
                  f"{info.device}")
         pad_to = self.budget if info.device.type == "cuda" or trainer.compiled else None  # one shape for kernels
         sample_source = SampleSource(src.path, src.kind, src.aux_ids if src.kind == "store" else None)
-        batches = iterate_batches(sample_source, self.plan, info.rank, progress["epoch"], progress["step_in_epoch"],
-                                  num_workers=o.num_workers, pin=info.device.type == "cuda", pad_to=pad_to,
-                                  states=not online, embed_table=trainer.embed_table)
+        loader = dict(num_workers=o.num_workers, pin=info.device.type == "cuda", pad_to=pad_to,
+                      embed_table=trainer.embed_table)
+        if online:  # the target's states computed ahead of the draft (eyas.train.online)
+            steps = min(self.total, self.stop_after or self.total) - trainer.step
+            batches = src.feed.batches(sample_source, self.plan, progress["epoch"], progress["step_in_epoch"], steps,
+                                       **loader)
+        else:
+            batches = iterate_batches(sample_source, self.plan, info.rank, progress["epoch"], progress["step_in_epoch"],
+                                      states=True, **loader)
         validate = None
         if len(self.val_ids):
             packs = Plan.over(src.lengths, self.val_ids, budget=self.budget, seed=o.seed, world=1, grad_accum=1,
@@ -280,13 +345,15 @@ class TrainRecipe:
 
             def validate() -> dict[str, Any]:
                 rows = (held_out[k] for k in range(len(held_out)))
-                return trainer.evaluate(rows if not online else (fill_states(b, src.engine) for b in rows))
+                return trainer.evaluate(rows if not online else (src.feed.fill(b) for b in rows))
 
         t0 = time.perf_counter()
         try:
             last = run_loop(trainer, batches, self.out, self.total, max(self.steps_per_epoch, 1), progress, metrics,
-                            engine=src.engine, stop_after=self.stop_after, log=self.say, validate=validate)
+                            stop_after=self.stop_after, log=self.say, validate=validate)
         finally:
+            if online:
+                src.feed.close()
             if metrics is not None:
                 metrics.close()
         return last, time.perf_counter() - t0
@@ -317,6 +384,8 @@ class TrainRecipe:
         return result
 
     def close(self) -> None:
+        if self.source.feed is not None:
+            self.source.feed.close()
         if self.source.owns_engine and self.source.engine is not None:
             self.source.engine.close()
             self.source.engine = None
@@ -343,10 +412,13 @@ def load_init_draft(path: Path, dcfg: DraftConfig, target: str) -> Any:
 
     init = import_draft(path, target=target if Path(str(target)).is_dir() else None)
     have, want = init.config, dcfg
-    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "target_hidden_size", "aux_layer_ids", "fc_norm", "norm_output")
+    fields = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "target_hidden_size", "aux_layer_ids", "fc_norm",
+              "norm_output", "block_size", "attention", *MLA_DIMS)
     diff = [f"{f} {getattr(have, f)} (this run: {getattr(want, f)})" for f in fields
             if getattr(have, f) != getattr(want, f)]
+    if want.mask_token_id >= 0 and have.mask_token_id != want.mask_token_id:
+        diff.append(f"mask_token_id {have.mask_token_id} (this run: {want.mask_token_id})")
     if diff:
         raise EyasError(f"--init-draft {path} does not fit this target and its aux layers: " + "; ".join(diff) +
                         ". Start from a draft trained for the same target (and --aux-layers), or drop --init-draft")

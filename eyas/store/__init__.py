@@ -10,6 +10,8 @@ from eyas.store.writer import (
     StoreMeta,
     StoreWriter,
     check_disk_for,
+    finish_partial,
+    finished_partial,
     load_plan,
     partial_dir,
     plan_shards,
@@ -18,5 +20,5 @@ from eyas.store.writer import (
 )
 
 __all__ = ["FORMAT", "HiddenStore", "ShardBuffer", "ShardSpec", "StoreMeta", "StoreWriter", "check_disk_for",
-           "dequantize_fp8", "load_plan", "partial_dir", "plan_shards", "prepare_partial", "quantize_fp8",
-           "verify_store", "write_safetensors"]
+           "dequantize_fp8", "finish_partial", "finished_partial", "load_plan", "partial_dir", "plan_shards",
+           "prepare_partial", "quantize_fp8", "verify_store", "write_safetensors"]

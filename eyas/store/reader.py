@@ -1,9 +1,11 @@
 """Reading a finished hidden-state store (data contract 2 in docs/architecture.md): random access by
-sample, and a check of every file against the manifest's sha256."""
+sample, a cheap check of every file's header and size on opening, and a check of every file against
+the manifest's sha256 when asked (it reads the whole store)."""
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from eyas.engines.head import TargetHead
 from eyas.store.format import FORMAT, dequantize_fp8
 from eyas.utils.io import EyasError, read_json, sha256_file
+from eyas.utils.tensorfile import Expected, check_tensor_file
 
 
 class HiddenStore:
@@ -22,10 +25,13 @@ class HiddenStore:
                  "aux_hidden": bf16 [T, k*H], "final_hidden": bf16 [T, H]}   (fp8 is dequantized)
 
     `aux_layer_ids` reads only some of the stored layers (k of them, in layer order): a store
-    extracted once with extra layers trains drafts on different choices.
+    extracted once with extra layers trains drafts on different choices. Every file's header and size
+    are checked on opening (a damaged or truncated file is one clear error); `verify` also checks
+    every file's sha256 (flipped bytes), which reads the whole store.
     """
 
-    def __init__(self, path: str | os.PathLike, aux_layer_ids: list[int] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, aux_layer_ids: list[int] | None = None,
+                 verify: bool = False) -> None:
         self.path = Path(path)
         mpath = self.path / "manifest.json"
         if not mpath.is_file():
@@ -52,12 +58,16 @@ class HiddenStore:
         self.dtype: str = m["dtype"]
         self.shards: list[dict] = m["shards"]
         self._handles: dict[int, Any] = {}
+        if verify:
+            verify_store(self.path)
+        fix = damaged_store_fix(self.path)
+        check_tensor_file(self.path / "target_head.safetensors", head_tensors(m), fix)
         lengths = []
         for j, s in enumerate(self.shards):
+            check_tensor_file(self.path / s["file"], shard_tensors(m, s), fix)
             off = self._open(j).get_tensor("offsets").numpy()
             if len(off) != s["num_samples"] + 1 or int(off[-1]) != s["num_tokens"]:
-                raise EyasError(f"{self.path / s['file']}: offsets disagree with manifest.json; run "
-                                f"`eyas extract --out {self.path} --verify`")
+                raise EyasError(f"{self.path / s['file']}: offsets disagree with manifest.json. {fix}")
             lengths.append(np.diff(off))
         self.lengths: np.ndarray = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._first = np.array([s["first_sample"] for s in self.shards], dtype=np.int64)
@@ -119,21 +129,48 @@ class HiddenStore:
         return verify_store(self.path)
 
 
+def shard_tensors(manifest: dict[str, Any], shard: dict[str, Any]) -> Expected:
+    """The tensors a shard of this store holds, with their dtypes and shapes (data contract 2)."""
+    n, k, h = int(shard["num_tokens"]), len(manifest["aux_layer_ids"]), int(manifest["hidden_size"])
+    state = "F8_E4M3" if manifest["dtype"] == "float8_e4m3fn" else "BF16"
+    out: Expected = {"input_ids": ("I32", (n,)), "loss_mask": ("U8", (n,)),
+                     "offsets": ("I64", (int(shard["num_samples"]) + 1,)),
+                     "aux_hidden": (state, (n, k * h)), "final_hidden": (state, (n, h))}
+    if state == "F8_E4M3":
+        out |= {"aux_scale": ("F32", (n, k)), "final_scale": ("F32", (n, 1))}
+    return out
+
+
+def head_tensors(manifest: dict[str, Any]) -> Expected:
+    """target_head.safetensors: the target's embedding, final norm and lm_head, in bf16."""
+    v, h = int(manifest["vocab_size"]), int(manifest["hidden_size"])
+    return {"embed_tokens.weight": ("BF16", (v, h)), "norm.weight": ("BF16", (h,)), "lm_head.weight": ("BF16", (v, h))}
+
+
+def damaged_store_fix(path: Path) -> str:
+    return (f"`eyas extract --out {path} --verify` lists every damaged file of the store; to repair it, delete "
+            f"{path} and rerun the `eyas extract` command that made it.")
+
+
 def verify_store(path: str | os.PathLike) -> int:
+    """Check every file's sha256 against the manifest (files hashed in parallel: hashlib runs without
+    the GIL); raise EyasError naming each bad file. Returns the number of files checked."""
     path = Path(path)
     m = read_json(path / "manifest.json")
-    bad: list[str] = []
-    for s in m["shards"]:
-        f = path / s["file"]
+    files = [(s["file"], s["sha256"]) for s in m["shards"]]
+    if m.get("target_head_sha256"):
+        files.append(("target_head.safetensors", m["target_head_sha256"]))
+
+    def problem(name: str, sha: str) -> str | None:
+        f = path / name
         if not f.is_file():
-            bad.append(f"{s['file']}: missing")
-        elif sha256_file(f) != s["sha256"]:
-            bad.append(f"{s['file']}: sha256 differs from manifest.json (corrupted or modified)")
-    head = path / "target_head.safetensors"
-    if m.get("target_head_sha256") and (not head.is_file() or sha256_file(head) != m["target_head_sha256"]):
-        bad.append("target_head.safetensors: missing or sha256 differs from manifest.json")
+            return f"{name}: missing"
+        return None if sha256_file(f) == sha else f"{name}: sha256 differs from manifest.json (corrupted or modified)"
+
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        bad = [p for p in pool.map(lambda f: problem(*f), files) if p]
     if bad:
         raise EyasError(f"store {path} failed verification ({len(bad)} bad file(s)):\n  " + "\n  ".join(bad)
-                        + "\nRe-extract: delete the store folder and rerun `eyas extract` (finished shards of an "
-                          "interrupted run are kept in OUT.partial, a finished store is rebuilt).")
+                        + f"\nRe-extract: delete {path} and rerun the `eyas extract` command that made it (finished "
+                          "shards of an interrupted run are kept in OUT.partial, a finished store is rebuilt).")
     return len(m["shards"]) + 1

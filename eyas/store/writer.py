@@ -14,6 +14,8 @@ next batches; the sha256 is computed while the bytes are written, not in a secon
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -21,7 +23,7 @@ import queue
 import shutil
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,15 @@ import torch
 
 from eyas.engines.head import TargetHead
 from eyas.store.format import FORMAT, STORE_DTYPES
-from eyas.utils.io import EyasError, atomic_write_json, check_free_disk, human_bytes, read_json
+from eyas.utils.io import (
+    EyasError,
+    atomic_write_json,
+    check_free_disk,
+    human_bytes,
+    read_json,
+    remove_leftovers,
+    replace_path,
+)
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
               torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
@@ -89,6 +99,20 @@ class ShardSpec:
     @property
     def file(self) -> str:
         return f"shard-{self.index:05d}.safetensors"
+
+
+SMALL_FILE = 4096  # a safetensors header, a shard's record, the plan, the manifest's entry: a few KiB at most
+
+
+def store_file_bytes(meta: StoreMeta, shards: list[ShardSpec]) -> dict[str, int]:
+    """Bytes of each file a finished store holds for `shards` (states, token ids, loss mask, offsets and
+    header), its target head (embed_tokens and lm_head [V, H] + norm [H], bf16) and its manifest: the one
+    formula extract's disk check and `eyas plan` both count with."""
+    files = {s.file: s.num_tokens * meta.bytes_per_token() + 8 * (s.num_samples + 1) + SMALL_FILE for s in shards}
+    v, h = meta.vocab_size, meta.hidden_size
+    files["target_head.safetensors"] = 2 * (2 * v * h + h) + SMALL_FILE
+    files["manifest.json"] = SMALL_FILE + 256 * len(shards)
+    return files
 
 
 def plan_shards(lengths: np.ndarray, bytes_per_token: int, shard_bytes: int, min_shards: int = 1) -> list[ShardSpec]:
@@ -252,8 +276,9 @@ class StoreWriter:
         return [s for s in self.plan if s.index % self.world == self.rank and not self.done(s)]
 
     def bytes_needed(self) -> int:
+        """Disk still needed: the unwritten shards and their records, the target head, plan and manifest."""
         todo = [s for s in self.plan if not self.done(s)]
-        return sum(s.num_tokens for s in todo) * self.meta.bytes_per_token() + 4096 * len(todo)
+        return sum(store_file_bytes(self.meta, todo).values()) + SMALL_FILE * (len(todo) + 1)  # records, plan
 
     # -- buffers --
     def acquire(self, shard: ShardSpec) -> ShardBuffer:
@@ -321,13 +346,31 @@ class StoreWriter:
                             f"{s.first_sample}..{s.first_sample + s.num_samples - 1}; check the model's dtype "
                             "(float16 overflows: use bfloat16) and its weights")
         tmp = self.partial / f".tmp-{s.file}"
-        sha, nbytes = write_safetensors(tmp, buf.tensors(), {"format": FORMAT})
-        os.replace(tmp, self.partial / s.file)
-        rec = {"file": s.file, "sha256": sha, "first_sample": s.first_sample, "num_samples": s.num_samples,
-               "num_tokens": s.num_tokens, "bytes": nbytes}
-        atomic_write_json(self.partial / f"{s.file[:-12]}.json", rec)
+        with self._space_for(tmp):
+            sha, nbytes = write_safetensors(tmp, buf.tensors(), {"format": FORMAT})
+            os.replace(tmp, self.partial / s.file)
+            rec = {"file": s.file, "sha256": sha, "first_sample": s.first_sample, "num_samples": s.num_samples,
+                   "num_tokens": s.num_tokens, "bytes": nbytes}
+            atomic_write_json(self.partial / f"{s.file[:-12]}.json", rec)
         with self._lock:
             self.bytes_written += nbytes
+
+    @contextlib.contextmanager
+    def _space_for(self, path: Path) -> Iterator[None]:
+        """Writing `path`: a full disk (another writer took the space the up-front check saw free) becomes
+        one error naming the file and the space still needed; the half-written file is removed, and the
+        finished shards stay for the rerun."""
+        try:
+            yield
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            kept = sum(1 for s in self.plan if self.done(s))
+            free = shutil.disk_usage(self.partial).free
+            raise EyasError(f"no space left writing {path}: the store needs about {human_bytes(self.bytes_needed())} "
+                            f"more and {human_bytes(free)} is free. Free some space and rerun the same command: the "
+                            f"{kept} finished shard(s) in {self.partial} are kept and the run resumes.") from None
 
     # -- the end --
     def finalize(self, head: TargetHead) -> Path:
@@ -338,29 +381,39 @@ class StoreWriter:
                             "`eyas extract` command to finish them")
         shards = [{k: v for k, v in read_json(self.partial / f"{s.file[:-12]}.json").items() if k != "bytes"}
                   for s in self.plan]
-        head_sha, _ = write_safetensors(self.partial / "target_head.safetensors",
-                                        {k: v.to(torch.bfloat16) for k, v in head.state_dict().items()})
-        manifest = {"format": FORMAT, **asdict(self.meta),
-                    "num_samples": int(sum(s.num_samples for s in self.plan)),
-                    "num_tokens": int(sum(s.num_tokens for s in self.plan)),
-                    "shards": shards, "target_head_sha256": head_sha}
-        atomic_write_json(self.partial / "manifest.json", manifest)
-        for f in self.partial.glob("shard-*.json"):
-            f.unlink()
-        (self.partial / "plan.json").unlink(missing_ok=True)
-        if self.out.exists():
-            old = self.out.with_name(f".old-{self.out.name}-{os.getpid()}")
-            os.replace(self.out, old)
-            os.replace(self.partial, self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.partial, self.out)
-        return self.out
+        with self._space_for(self.partial / "target_head.safetensors"):
+            head_sha, _ = write_safetensors(self.partial / "target_head.safetensors",
+                                            {k: v.to(torch.bfloat16) for k, v in head.state_dict().items()})
+            manifest = {"format": FORMAT, **asdict(self.meta),
+                        "num_samples": int(sum(s.num_samples for s in self.plan)),
+                        "num_tokens": int(sum(s.num_tokens for s in self.plan)),
+                        "shards": shards, "target_head_sha256": head_sha}
+            atomic_write_json(self.partial / "manifest.json", manifest)
+        return finish_partial(self.out)
 
 
 def partial_dir(out: str | os.PathLike) -> Path:
     out = Path(out)
     return out.with_name(out.name + ".partial")
+
+
+def finish_partial(out: str | os.PathLike) -> Path:
+    """OUT.partial, whose manifest is written, becomes OUT: the records and plan go, then one rename.
+    Also what a rerun does when a kill came between the manifest and the rename."""
+    out = Path(out)
+    part = partial_dir(out)
+    for f in part.glob("shard-*.json"):
+        f.unlink()
+    (part / "plan.json").unlink(missing_ok=True)
+    remove_leftovers(out.parent)
+    replace_path(part, out)
+    return out
+
+
+def finished_partial(out: str | os.PathLike, options_sha256: str) -> bool:
+    """Does OUT.partial hold a complete store of these options (a run killed just before its rename)?"""
+    m = partial_dir(out) / "manifest.json"
+    return m.is_file() and read_json(m).get("options_sha256") == options_sha256
 
 
 def prepare_partial(out: str | os.PathLike, meta: StoreMeta, plan: list[ShardSpec]) -> list[ShardSpec]:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.model.draft import Eagle3Draft
+from eyas.model.families import build_draft
 from eyas.train import distributed as D
 from eyas.utils.io import atomic_path, atomic_write_json, read_json
 
@@ -61,7 +61,7 @@ def save_draft(trainer: Trainer, path: Path) -> None:
     atomically, in bf16 when the run trains in bf16."""
     state = trainer.draft_state()
     if trainer.info.is_main:
-        draft = Eagle3Draft(trainer.draft.config)
+        draft = build_draft(trainer.draft.config)
         draft.load_state_dict(state)
         (draft.to(torch.bfloat16) if trainer.bf16 else draft).save_pretrained(path)
 

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from eyas.train.loss import LossSpec
 from eyas.utils.devices import resolve_dtype
 from eyas.utils.io import EyasError
 from eyas.utils.schema import option
@@ -19,7 +20,8 @@ class TrainConfig:
 
     help_panel: ClassVar[str] = "Training"
 
-    ttt_steps: int = option(7, help="Training-time-test steps: how many tokens ahead the draft learns to chain.")
+    ttt_steps: int = option(7, help="Training-time-test steps: how many tokens ahead the draft learns to chain "
+                            "(peagle: the depths trained, the most tokens one forward proposes).")
     ttt_decay: float = option(0.8, help="Loss weight of TTT step j is decay^j.")
     label_temperature: float = option(1.0, help="The draft learns softmax(target logits / T): 1 = the target's "
                                       "distribution (EAGLE-3), 0 = a one-hot on its argmax, the token greedy "
@@ -27,6 +29,21 @@ class TrainConfig:
     reply_start_weight: float = option(1.0, help="Loss weight of the first --reply-start-tokens tokens of every "
                                        "reply (1 = all alike, EAGLE-3).")
     reply_start_tokens: int = option(64, help="How many tokens of a reply --reply-start-weight covers.")
+    block_gamma: float = option(7.0, help="dflash: loss weight of block slot k (1..block size - 1) is "
+                                "exp(-(k-1) / gamma): the early slots, which every accepted draft needs, count most.")
+    block_anchors: int = option(0, show_default="0: token budget / block size",
+                                help="dflash: blocks trained per packed micro-batch, their anchors drawn (seeded) "
+                                     "among trained positions.")
+    cod_ratio: float = option(0.7, help="peagle: depth d >= 1 trains on a share max(ratio^d, --cod-min-ratio) of "
+                              "the rows as anchors (nested: an anchor of depth d is one of depth d-1), so deeper "
+                              "depths cost less (P-EAGLE's COD sampling).")
+    cod_min_ratio: float = option(0.2, help="peagle: the share of rows every depth keeps at least.")
+    loss: Literal["ce", "lk-alpha", "lk-lambda"] = option(
+        "ce", help="Per-token loss: ce (soft cross-entropy to the target's distribution, EAGLE-3's), lk-alpha "
+                   "(-log of the acceptance rate sum_v min(p, q)) or lk-lambda (KL blended into 1 - acceptance as "
+                   "the draft improves), the LK losses of arXiv 2602.23881.")
+    lk_eta: float = option(3.0, help="lk-lambda: the blend is lam * KL + (1 - lam) * (1 - acceptance) with lam = "
+                           "exp(-eta * acceptance) per token (the paper's best eta is 3).")
     lr: float = option(1e-4, help="Peak learning rate (AdamW, warmup then cosine to --min-lr-ratio of it).")
     min_lr_ratio: float = option(0.1, help="Where the cosine ends, as a share of --lr.")
     warmup_ratio: float = option(0.015, help="Share of steps spent warming up.")
@@ -81,6 +98,14 @@ class TrainConfig:
             raise EyasError("--token-budget, --val-samples, --val-every and --save-every must be >= 0")
         if self.log_every < 1 or self.keep_checkpoints < 1:
             raise EyasError("--log-every and --keep-checkpoints must be >= 1")
+        if not 0 < self.cod_min_ratio <= self.cod_ratio <= 1:
+            raise EyasError(f"--cod-ratio and --cod-min-ratio must satisfy 0 < min ratio <= ratio <= 1, got "
+                            f"{self.cod_ratio:g} and {self.cod_min_ratio:g}")
+        if self.lk_eta < 0:
+            raise EyasError(f"--lk-eta must be >= 0, got {self.lk_eta:g}")
+        if self.block_gamma <= 0 or self.block_anchors < 0:
+            raise EyasError(f"--block-gamma must be > 0 and --block-anchors >= 0, got {self.block_gamma:g} and "
+                            f"{self.block_anchors}")
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32"):
@@ -90,12 +115,19 @@ class TrainConfig:
     def resolved_budget(self, device: torch.device) -> int:
         return self.token_budget or (16384 if device.type == "cuda" else 1024)
 
-    def schedule_options(self) -> dict[str, Any]:
-        """Options a resumed run must share with the run it continues (else the curve differs)."""
-        keep = ("ttt_steps", "ttt_decay", "label_temperature", "reply_start_weight", "reply_start_tokens", "lr",
-                "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay", "betas", "grad_clip", "token_budget",
-                "grad_accum", "epochs", "max_steps", "seed", "dtype", "val_samples")
+    def schedule_options(self, objective: tuple[str, ...]) -> dict[str, Any]:
+        """Options a resumed run must share with the run it continues (else the curve differs): the
+        schedule's and those the training objective reads (`objective`, eyas.train.objectives)."""
+        keep = ("label_temperature", "lr", "min_lr_ratio", "warmup_ratio", "warmup_steps", "weight_decay", "betas",
+                "grad_clip", "token_budget", "grad_accum", "epochs", "max_steps", "seed", "dtype", "val_samples",
+                *objective)
+        if self.loss == "ce":  # the default loss: runs from before --loss existed keep their fingerprint
+            keep = tuple(k for k in keep if k not in ("loss", "lk_eta"))
         return {k: (list(v) if isinstance(v := getattr(self, k), tuple) else v) for k in keep}
+
+    def loss_spec(self) -> LossSpec:
+        """The per-row loss every objective's fused head computes (eyas.train.loss)."""
+        return LossSpec(self.loss, self.lk_eta)
 
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):

@@ -120,15 +120,13 @@ class _Session:
 
 
 def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_per_epoch: int,
-             progress_state: dict[str, Any], metrics: MetricsLog | None, engine: Any = None,
-             stop_after: int = 0, log: Any = print,
+             progress_state: dict[str, Any], metrics: MetricsLog | None, stop_after: int = 0, log: Any = print,
              validate: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Consume `batches` (eyas.train.data.iterate_batches) until `total_steps` optimizer steps,
-    logging and checkpointing; `validate()` (collective) measures held-out data every `val_every` steps
-    and at the end, keeping the draft of the best one in OUT/draft-best. Returns the last logged metrics,
-    with the last validation's under "val"."""
-    from eyas.train.data import fill_states
-
+    """Consume `batches` (eyas.train.data.iterate_batches; online, eyas.train.online.TargetFeed.batches with
+    the target's states filled in) until `total_steps` optimizer steps, logging and checkpointing;
+    `validate()` (collective) measures held-out data every `val_every` steps and at the end, keeping the
+    draft of the best one in OUT/draft-best. Returns the last logged metrics, with the last validation's
+    under "val"."""
     cfg = trainer.cfg
     run = _Session(trainer, out, total_steps, progress_state, metrics, log)
     with run.bar:
@@ -136,8 +134,6 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
         for epoch, step_in_epoch, micro in batches:
             if trainer.step >= total_steps:
                 break
-            if engine is not None:
-                micro = [fill_states(b, engine) for b in micro]
             trainer.train_step(micro)
             run.count_tokens(micro, epoch, step_in_epoch, steps_per_epoch)
             is_last = run.is_last(stop_after)

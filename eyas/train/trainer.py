@@ -1,12 +1,15 @@
-"""The trainer: TTT steps on packed batches, mixed precision, accumulation, clipping, AdamW with
-warmup + cosine. Where parameters live and in what precision (one process, DDP, FSDP2; fp32 or bf16
-with fp32 master weights) is the strategy's business (eyas.train.strategy); checkpoints, logs and
+"""The trainer: the draft family's objective (eyas.train.objectives: TTT for EAGLE-3, blocks for
+DFlash, depths for P-EAGLE) on packed batches, mixed precision, accumulation, clipping, AdamW with
+warmup + cosine.
+Where parameters live and in what precision (one process, DDP, FSDP2; fp32 or bf16 with fp32
+master weights) is the strategy's business (eyas.train.strategy); checkpoints, logs and
 the loop around the trainer live in eyas.train.checkpointer, .metrics and .loop.
 
-Normalization: a batch's loss is sum over valid rows and steps of 0.8^j CE / (valid step-0 rows
-of the whole global batch). That count is only known after the forward passes (it depends on the
-target's argmax), so the backward runs on the unnormalized sum and the gradients are scaled once
-per optimizer step, by a device tensor: no host sync in the loop except at log intervals.
+Normalization: a batch's loss is sum over valid rows and steps of w_j CE / (valid step-0 rows
+of the whole global batch; DFlash: valid slot-1 rows). That count is only known after the forward
+passes (it depends on the target's argmax), so the backward runs on the unnormalized sum and the
+gradients are scaled once per optimizer step, by a device tensor: no host sync in the loop except
+at log intervals.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ import torch
 
 from eyas.engines.head import TargetHead
 from eyas.model.attention import resolve_ttt_backend
-from eyas.model.draft import Eagle3Draft, check_state_dict
+from eyas.model.draft import DraftModel, check_state_dict
 from eyas.model.vocab import draft_to_target_ids, target_to_draft_ids
 from eyas.train import distributed as D
 from eyas.train.config import TrainConfig, lr_lambda
 from eyas.train.graphed import GraphedStep
 from eyas.train.loss import opening_mask, target_distribution
+from eyas.train.objectives import make_objective
 from eyas.train.strategy import make_strategy
-from eyas.train.ttt import TTTConfig, TTTModel, summarize
+from eyas.train.ttt import summarize
 
 OPENING_TOKENS = 64  # held-out accuracy is also measured on each first reply's first 64 tokens
 
@@ -35,7 +39,7 @@ OPENING_TOKENS = 64  # held-out accuracy is also measured on each first reply's 
 class Trainer:
     """One optimizer step at a time over lists of packed micro-batches (eyas.train.data)."""
 
-    def __init__(self, cfg: TrainConfig, draft: Eagle3Draft, head: TargetHead, info: D.DistInfo,
+    def __init__(self, cfg: TrainConfig, draft: DraftModel, head: TargetHead, info: D.DistInfo,
                  total_steps: int) -> None:
         self.cfg, self.info, self.total_steps = cfg, info, total_steps
         dev = self.device = info.device
@@ -57,10 +61,7 @@ class Trainer:
             draft.embed_tokens = None
         draft = draft.to(dev)
         self.draft = draft
-        ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
-                            compile=self.compiled, reply_start_weight=cfg.reply_start_weight,
-                            reply_start_tokens=cfg.reply_start_tokens)
-        model = TTTModel(draft, ttt_cfg)
+        model = self.objective = make_objective(draft, cfg, self.compiled, self.embed_table)  # by the draft's family
         self.weights = model.weights
         self.model = self.strategy.wrap(model)
         graphed = self._graphs_wanted()
@@ -75,7 +76,7 @@ class Trainer:
             draft_to_target_ids(draft.d2t).to(dev)
         self.t2d_index = target_to_draft_ids(draft.t2d.cpu()).to(dev)
         self.step = 0
-        self.window = torch.zeros(cfg.ttt_steps, 3, dtype=torch.float32, device=dev)  # stats since the last log
+        self.window = torch.zeros(len(self.weights), 3, dtype=torch.float32, device=dev)  # stats since the last log
         self.last_norm = torch.zeros((), device=dev)
         self.graphed: GraphedStep | None = None
         if graphed:
@@ -95,10 +96,11 @@ class Trainer:
         """Whether each optimizer step runs as one replayed CUDA graph (eyas.train.graphed)."""
         cfg = self.cfg
         # a CUDA graph needs the optimizer to read its step count and learning rate from the device
-        can_graph = self._fused_optimizer() and not self.info.distributed and cfg.grad_accum == 1
+        can_graph = self._fused_optimizer() and not self.info.distributed and cfg.grad_accum == 1 \
+            and self.objective.graphable
         if cfg.cuda_graph and not can_graph:
-            warnings.warn("--cuda-graph on needs one CUDA device, one process, no FSDP and --grad-accum 1; "
-                          "training without CUDA graphs", stacklevel=3)
+            warnings.warn("--cuda-graph on needs one CUDA device, one process, no FSDP, --grad-accum 1 and an "
+                          "EAGLE-3 draft; training without CUDA graphs", stacklevel=3)
         return bool((cfg.cuda_graph if cfg.cuda_graph is not None else self.compiled) and can_graph)
 
     def _optimizer(self, graphed: bool) -> torch.optim.AdamW:
@@ -133,16 +135,16 @@ class Trainer:
         """(loss sum, stats [S, 3]) of one packed micro-batch; builds the graph for backward.
         `block_mask`: flex attention's mask of the batch's documents, prebuilt (eyas.train.graphed)."""
         b = self._to_device(self.with_embeds(batch))
-        final = b["final_hidden"].to(self.dtype)
+        b.update({k: b[k].to(self.dtype) for k in ("aux_hidden", "final_hidden", "input_embeds") if k in b})
+        if self.embed_table is None:
+            b.pop("input_embeds", None)
         with torch.no_grad():
-            tgt = target_distribution(self.head, final, self.vocab_ids, self.t2d_index,
-                                      pad_rows=self.cfg.ttt_steps + 1, dtype=self.dtype,
-                                      label_temperature=self.cfg.label_temperature)
-        docs = b["document_ids"][None] if b["multi_doc"] else None
-        emb = None if self.embed_table is None else b["input_embeds"][None].to(self.dtype)
-        with self.autocast():
-            return self.model(b["input_ids"][None], b["aux_hidden"][None].to(self.dtype), b["position_ids"][None],
-                              b["loss_mask"][None], tgt.probs, tgt.ids, docs, emb, block_mask)
+            tgt = target_distribution(self.head, b["final_hidden"], self.vocab_ids, self.t2d_index,
+                                      pad_rows=self.objective.pad_rows, dtype=self.dtype,
+                                      label_temperature=self.cfg.label_temperature,
+                                      with_mass=self.cfg.loss_spec().needs_mass)
+        with self.autocast():  # the family's objective (eyas.train.objectives)
+            return self.model(b, tgt.probs, tgt.ids, block_mask, target_mass=tgt.mass)
 
     def train_step(self, micro: list[dict[str, Any]]) -> torch.Tensor:
         """One optimizer step; returns this step's stats [S, 3] summed over ranks (device tensor)."""

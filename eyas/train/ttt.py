@@ -9,8 +9,9 @@ One packed row of N tokens (several documents side by side, `document_ids` telli
              and to its own keys of steps 1..j (eyas.model.attention.TTTAttention)
 
 The target distribution is computed once per batch (eyas.train.loss.target_distribution) and
-shifted by one row per step; the loss is the step-weighted (0.8^j) soft cross-entropy, summed over
-valid rows (optionally weighted up at the start of each reply: eyas.train.loss.reply_start_weights).
+shifted by one row per step; the loss is the step-weighted (0.8^j) soft cross-entropy (or an LK loss,
+eyas.train.loss.LossSpec), summed over valid rows (optionally weighted up at the start of each reply:
+eyas.train.loss.reply_start_weights).
 The caller divides by the number of valid step-0 rows of the whole global batch (eyas.train.trainer),
 so the loss of a batch does not depend on how it is split over micro-batches and ranks.
 """
@@ -28,6 +29,7 @@ from torch import nn
 from eyas.model.attention import TTTAttention
 from eyas.model.draft import Eagle3Draft
 from eyas.train.loss import (
+    LossSpec,
     TargetDist,
     fused_draft_ce,
     reference_draft_ce,
@@ -48,6 +50,7 @@ class TTTConfig:
     fused_loss: bool = True  # False: plain autograd over full logits (reference, tests)
     reply_start_weight: float = 1.0  # loss weight of a reply's first `reply_start_tokens` tokens (1 = EAGLE-3's)
     reply_start_tokens: int = 64
+    loss: LossSpec = LossSpec()  # the per-row loss: soft CE (EAGLE-3's) or an LK loss
 
 
 class _CompiledOrEager:
@@ -108,13 +111,14 @@ class TTTModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, position_ids: torch.Tensor,
                 loss_mask: torch.Tensor, target_probs: torch.Tensor, target_ids: torch.Tensor,
                 document_ids: torch.Tensor | None = None, input_embeds: torch.Tensor | None = None,
-                block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                block_mask: Any = None, target_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids, loss_mask [B, T]; aux_hidden [B, T, k*H_t]; target_probs
         [B*T + pad, V_d] and target_ids [B*T + pad] (TargetDist, pad >= steps); document_ids [B, T]
         with ids unique across rows, or None (one document per row; padding at the end of a row
         needs no id of its own: causal attention never looks forward); input_embeds [B, T, H]: the
         frozen embeddings of input_ids, when the trainer keeps the table off the device;
-        block_mask: flex attention's mask of document_ids, when the caller built it (CUDA graphs).
+        block_mask: flex attention's mask of document_ids, when the caller built it (CUDA graphs);
+        target_mass [B*T + pad]: TargetDist.mass, which the LK losses need.
 
         Returns (loss: step-weighted CE summed over valid rows, fp32 scalar; stats [steps, 3] fp32:
         per step CE sum, correct count, valid count)."""
@@ -136,11 +140,11 @@ class TTTModel(nn.Module):
             emb = None if input_embeds is None else F.pad(input_embeds[:, 1 + j:], (0, 0, 0, 1 + j))
             hidden = draft(shift_left(input_ids, 1 + j), hidden, position_ids + j, attend, emb)  # [B, T, H]
             outs.append(draft.head_input(hidden).reshape(B * T, -1))
-        target = TargetDist(target_probs, target_ids)
+        target = TargetDist(target_probs, target_ids, target_mass)
         if self.cfg.fused_loss:
             return fused_draft_ce(draft.lm_head.weight, outs, target, wvalid, self.cfg.loss_chunk_elems,
-                                  compiled=self.cfg.compile)
-        return reference_draft_ce(draft.lm_head.weight, outs, target, wvalid)
+                                  compiled=self.cfg.compile, loss=self.cfg.loss)
+        return reference_draft_ce(draft.lm_head.weight, outs, target, wvalid, loss=self.cfg.loss)
 
 
 def summarize(stats: torch.Tensor | list, weights: list[float]) -> dict[str, Any]:

@@ -7,7 +7,9 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,28 +39,96 @@ def _fsync_dir(path: Path) -> None:
 def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `dest`; rename it onto `dest` only if the block succeeds.
 
-    Works for a file or a directory: a reader never sees a half-written result, and a crash
-    leaves at most a `.tmp-*` sibling behind, which the next run ignores and replaces.
+    Works for a file or a directory: a reader never sees a half-written result. A crash leaves at
+    most a `.tmp-*` (or `.old-*`) sibling named after its process, which the next atomic write in that
+    folder (or a stage's up-to-date check) removes once that process is gone. What is written takes the
+    user's umask (writers such as safetensors' make 0600 files), so a server running as another user
+    can read it.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
+    remove_leftovers(dest.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-{_owner()}-", dir=dest.parent))
     target = tmp / dest.name
     try:
         yield target
         if target.is_file():
             with open(target, "rb") as f:
                 os.fsync(f.fileno())
-        if dest.is_dir() and not dest.is_symlink():
-            old = dest.with_name(f".old-{dest.name}-{os.getpid()}")
-            os.replace(dest, old)
-            os.replace(target, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(target, dest)
+        apply_umask(target)
+        replace_path(target, dest)
         _fsync_dir(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_path(src: Path, dest: Path) -> None:
+    """Move `src` onto `dest`; an existing folder `dest` is set aside first (renames cannot replace a
+    non-empty folder) and removed after, so `dest` is the old or the new one at every instant but one."""
+    if dest.is_dir() and not dest.is_symlink():
+        old = dest.with_name(f".old-{dest.name}-{_owner()}")
+        os.replace(dest, old)
+        os.replace(src, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dest)
+
+
+# what atomic_path and replace_path leave when killed: .tmp-NAME-PID@HOST-XXXXXXXX (mkdtemp) and
+# .old-NAME-PID@HOST; the host, because a folder on a shared filesystem is written from several machines
+_LEFTOVER = re.compile(r"\.(?:tmp|old)-.+-(\d+)@(.+?)(?:-[a-z0-9_]{8})?")
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Delete what writers killed mid-way left in `folder` (their process, on this machine, is gone); a
+    live writer's temporary files, and another machine's, are left alone."""
+    if not folder.is_dir():
+        return
+    host = socket.gethostname()
+    with os.scandir(folder) as entries:
+        stale = [e for e in entries if e.name.startswith((".tmp-", ".old-")) and (m := _LEFTOVER.fullmatch(e.name))
+                 and m.group(2) == host and not _alive(int(m.group(1)))]
+    for e in stale:
+        shutil.rmtree(e.path, ignore_errors=True) if e.is_dir(follow_symlinks=False) else os.unlink(e.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def current_umask() -> int:
+    """The process' umask, read without changing it where Linux shows it (os.umask sets as it reads)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: Path) -> None:
+    """Give `path` (a file, or a folder and all it holds) the modes a plain `open`/`mkdir` would:
+    0666 (0777 for folders and executables) less the umask."""
+    mask = current_umask()
+    if not path.exists():
+        return
+    todo = [path]
+    if path.is_dir():
+        todo += [p for p in path.rglob("*") if not p.is_symlink()]
+    for p in todo:
+        full = 0o777 if p.is_dir() or p.stat().st_mode & 0o111 else 0o666
+        os.chmod(p, full & ~mask)
 
 
 def atomic_write_bytes(dest: str | os.PathLike, data: bytes) -> None:

@@ -17,14 +17,17 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from eyas.utils.io import atomic_path, read_json
+from eyas.utils.io import atomic_path, read_json, remove_leftovers
 
 
 def up_to_date(manifest: str | os.PathLike, options_sha256: str, *outputs: str | os.PathLike,
                entry: str | None = None) -> bool:
     """True when `manifest` exists, records `options_sha256` (under `entry` when the file keeps one record
-    per stage), and each of `outputs` exists."""
+    per stage), and each of `outputs` exists. First removes what a writer killed mid-way left next to
+    them (a kill after the output was complete leaves it, and a reused output is not written again)."""
     manifest = Path(manifest)
+    for folder in {manifest.parent, manifest.parent.parent, *(Path(p).parent for p in outputs)}:
+        remove_leftovers(folder)
     if not manifest.is_file() or not all(Path(p).exists() for p in outputs):
         return False
     try:

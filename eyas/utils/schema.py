@@ -26,8 +26,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import typer
-
 from eyas.utils.io import EyasError
 
 T = TypeVar("T")
@@ -174,7 +172,8 @@ def cli_command(cls: type[T], run: Callable[[T], Any]) -> Callable[..., None]:
     for f, panel in _declared(cls):
         if not f.metadata.get("cli", True):
             continue
-        tp = str if f.metadata.get("comma") else _cli_type(hints[f.name])
+        tp = _cli_type(hints[f.name])
+        tp = str if f.metadata.get("comma") or typing.get_origin(tp) is Literal else tp
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=tp,
                                         default=_typer_param(f, hints[f.name], panel)))
 
@@ -220,6 +219,17 @@ def _comma_option(name: str, text: str, tp: Any) -> list[Any]:
                         f"{type_name(item)} (e.g. 2,15,29)") from None
 
 
+def _choice_parser(flag: str, choices: list[str]) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in choices:
+            import typer
+
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}", param_hint=flag)
+        return value
+
+    return parse
+
+
 def _is_mapping(tp: Any) -> bool:
     args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     return any(typing.get_origin(a) is dict or a is dict for a in args)
@@ -240,6 +250,8 @@ def _json_option(name: str, text: Any) -> Any:
 
 
 def _typer_param(f: dataclasses.Field, tp: Any, panel: str | None = None) -> Any:
+    import typer  # only the command line needs it: components import their schemas without it
+
     meta = f.metadata
     default = default_of(f)
     required = default is _MISSING
@@ -258,5 +270,40 @@ def _typer_param(f: dataclasses.Field, tp: Any, panel: str | None = None) -> Any
     elif default is None and show is True:
         show = False  # "[default: None]" says nothing; the help says what leaving it out does
     names = [flag] + ([meta["short"]] if meta.get("short") else [])
+    extra = {}
+    if typing.get_origin(_cli_type(tp)) is Literal:  # choices parsed here: the same on every typer version
+        choices = [str(c) for c in typing.get_args(_cli_type(tp))]
+        extra = {"parser": _choice_parser(flag.split("/")[0], choices), "metavar": "|".join(choices)}
     return typer.Option(... if required else default, *names, help=meta.get("help", ""), show_default=show,
-                        rich_help_panel=panel)
+                        rich_help_panel=panel, **extra)
+
+
+def to_cli_args(obj: Any) -> list[str]:
+    """The command-line arguments that build `obj` again through `cli_command`: each field that differs
+    from its default (how `eyas run` hands a stage's options to torchrun, and prints the command)."""
+    cls, hints = type(obj), type_hints(type(obj))
+    positional, flags = [], []
+    for f, _ in _declared(cls):
+        value, default = getattr(obj, f.name), default_of(f)
+        if default is not _MISSING and value == default:
+            continue
+        if not f.metadata.get("cli", True) or value is None:
+            raise EyasError(f"{f.name} = {value!r} has no command-line spelling; `eyas run` cannot hand it to "
+                            "another process: leave it at its default")
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        if f.metadata.get("positional"):
+            positional += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+        elif isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        elif f.metadata.get("comma"):
+            flags += [flag, ",".join(map(str, value))]
+        elif _is_mapping(hints[f.name]):
+            flags += [flag, json.dumps(value)]
+        elif isinstance(value, tuple):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, list):
+            for v in value:
+                flags += [flag, str(v)]
+        else:
+            flags += [flag, str(value)]
+    return positional + flags

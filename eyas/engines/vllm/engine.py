@@ -23,11 +23,14 @@ from typing import Any
 
 import torch
 
+from eyas.data.media import SampleMedia
 from eyas.engines.base import Capture, TargetEngine, default_aux_layer_ids, validate_aux_layer_ids
 from eyas.engines.head import TargetHead, read_target_head
 from eyas.engines.vllm.connector import CONNECTOR_MODULE, CONNECTOR_NAME, HANDOFF
+from eyas.engines.vllm.images import image_prompt
 from eyas.engines.vllm.probe import TESTED_VLLM_VERSION, probe_vllm, supports_eagle3
 from eyas.engines.vllm.runtime import cpu_shm_idents, default_tmp_root, unlink_cpu_shm
+from eyas.engines.vllm.workarounds import apply_cpu_workarounds, native_misses_layer0
 from eyas.engines.vllm.worker_hooks import install_hooks, remove_hooks, take_records
 from eyas.utils.io import EyasError
 
@@ -81,6 +84,13 @@ class VllmEngine(TargetEngine):
         self.vocab_size = int(text["vocab_size"])
         ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
         self.aux_layer_ids = validate_aux_layer_ids(ids, self.num_layers)
+        if self.path == "native" and native_misses_layer0(cfg, self.aux_layer_ids):
+            if capture_path == "native":
+                raise EyasError("vLLM's DeepSeek model cannot hand out layer 0 on the native path (its residual is "
+                                "None there); use aux layer ids >= 1, or capture_path='hooks'")
+            self.path = "hooks"  # workarounds.py, bug 3
+        self.config = cfg
+        self.tp = int(tp)
         # what vLLM captures: the sorted, unique ids, plus num_layers (the last layer's output = final)
         self._layer_ids = sorted(set(self.aux_layer_ids) | {self.num_layers})
         self._aux_cols = [self._layer_ids.index(k) for k in self.aux_layer_ids]
@@ -100,7 +110,7 @@ class VllmEngine(TargetEngine):
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         kwargs.update(llm_kwargs or {})
-        self._start(kwargs)
+        self._start(apply_cpu_workarounds(text, kwargs))
 
     def _llm_args(self, model: str, tp: int, max_num_batched_tokens: int | None, max_num_seqs: int, seed: int,
                   trust_remote_code: bool) -> dict[str, Any]:
@@ -130,7 +140,13 @@ class VllmEngine(TargetEngine):
         from vllm import LLM, SamplingParams
 
         shm_before = cpu_shm_idents()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except (NotImplementedError, ValueError) as e:
+            plain = _no_kernel_error(e, self.config, self.probe.version)
+            if plain is None:
+                raise
+            raise plain from e
         # vLLM-CPU's TP shared-memory segments are not unlinked at shutdown: remember ours
         self._shm_idents = cpu_shm_idents() - shm_before
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -190,7 +206,8 @@ class VllmEngine(TargetEngine):
 
     # -- capture -------------------------------------------------------------------------------
 
-    def capture(self, seqs: list[torch.Tensor]) -> list[Capture]:
+    def capture(self, seqs: list[torch.Tensor], media: list[SampleMedia | None] | None = None) -> list[Capture]:
+        """`media[i]`: sample i's images; vLLM gets their files and expands their placeholders itself."""
         if not seqs:
             return []
         token_lists = [torch.as_tensor(s).flatten().tolist() for s in seqs]
@@ -202,10 +219,17 @@ class VllmEngine(TargetEngine):
                                 f"max_model_len={self.max_model_len} (longest sequence + 1); raise it")
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=t) for t in token_lists]
+        media = media or [None] * len(seqs)
+        if self.path == "hooks" and any(m is not None for m in media):
+            raise EyasError("the vllm engine takes samples with images on its native capture path only; this target "
+                            "runs on the hooks path: use --engine hf")
+        prompts = [TokensPrompt(prompt_token_ids=t) if m is None else
+                   TokensPrompt(**image_prompt(t, m.images(), self.config)) for t, m in zip(token_lists, media,
+                                                                                          strict=True)]
         outs = self.llm.generate(prompts, self._sampling, use_tqdm=False)
         if len(outs) != len(seqs):
             raise EyasError(f"vLLM returned {len(outs)} results for {len(seqs)} sequences")
+        self.last_greedy = [o.outputs[0].token_ids[0] if o.outputs and o.outputs[0].token_ids else None for o in outs]
         if self.path == "native":
             states = self._collect_native(outs)
         else:
@@ -312,3 +336,19 @@ class VllmEngine(TargetEngine):
         for key in [k for k in HANDOFF if k.startswith(self._tmp)]:  # left by a failed capture
             del HANDOFF[key]
         self._finalizer()
+
+
+def _no_kernel_error(e: Exception, config: dict, version: str) -> EyasError | None:
+    """A quantized target whose scheme this vLLM has no kernel for on this machine, said plainly (vllm-cpu:
+    int4 W4A16 MoE experts and block FP8 need AMX); None for any other start-up failure."""
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    text = str(e)
+    if not quant or not any(w in text for w in ("kernel", "backend", "Kernel", "Backend")):
+        return None
+    scheme = quant.get("format") or quant.get("fmt") or ""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    where = "a GPU" if torch.cuda.is_available() else f"this CPU ({'with' if amx else 'without'} AMX)"
+    return EyasError(f"vLLM {version} has no kernel for this target's {quant.get('quant_method')} {scheme} weights on "
+                     f"{where}: {text.strip().splitlines()[0][:300]} vllm-cpu runs int4 (W4A16) MoE experts and "
+                     "block FP8 only with AMX (Intel Sapphire Rapids or newer). Run the target on a GPU, or use "
+                     "--engine hf (transformers dequantizes these schemes when it loads them).")

@@ -42,7 +42,7 @@ def run_llm(kwargs: dict[str, Any], work: Callable[[Any], None]) -> None:
     No caller may keep a reference to the engine: an old engine collected after a new one started
     would tear down the new one's process groups.
     """
-    llm = import_vllm("vllm.LLM", "use the hf engine").LLM(**kwargs)
+    llm = import_vllm("vllm.LLM", "install it (bash scripts/setup_vllm_venv.sh)").LLM(**kwargs)
     try:
         work(llm)
     finally:

@@ -1,0 +1,227 @@
+"""Online training with the target in the loop: eyas against the same work done one step after the other,
+and SpecForge's own online EAGLE-3 loop, in one run on one GPU.
+
+    PYTHONPATH=. python3 benchmarks/online.py --peer-src peers/v0.2.0-git   # one H100/H200: ~10 minutes
+    PYTHONPATH=. python3 benchmarks/online.py --smoke                       # CPU, tiny shapes: the script runs
+
+A random-weight target of Llama-3.1-8B's shape (32 layers, hidden 4096, FFN 14,336, 32/8 heads, vocab
+128,256; bf16), an EAGLE-3 draft of its width (draft vocabulary 32,000, TTT 7), sequences of --tokens
+random tokens with the loss on their last three quarters, one sequence per optimizer step. Rows, all on
+the same target module and the same draft trainer:
+
+1. serial: per step the bare target forward (the decoder alone, nothing captured) and then eyas' draft
+   optimizer step (Trainer.train_step on states captured before timing), one after the other;
+2. eyas online: what `eyas train --online` runs: eyas.train.online.TargetFeed (a producer thread on a
+   CUDA stream of its own capturing with the hf engine, a bounded queue of --prefetch steps, token
+   batches read by DataLoader workers from a prepared dataset) feeding the same Trainer.
+   Goal: >= 0.9x serial;
+3. peer (--peer-src): SpecForge's in-process online loop (benchmarks/specforge_online_peer.py: its HF
+   target backend with full-vocabulary logits, OnlineEagle3Model under FSDP, BF16Optimizer) on the same
+   target and batches. Goal: eyas online >= 2x its tok/s.
+
+Each row runs --warmup steps (torch.compile, CUDA graph capture) before --steps timed ones; tok/s counts
+the sequences' tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import sync  # noqa: E402
+
+from eyas.engines.hf import HFEngine  # noqa: E402
+from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
+from eyas.model.draft import Eagle3Draft  # noqa: E402
+from eyas.model.vocab import build_draft_vocab  # noqa: E402
+from eyas.train.config import TrainConfig  # noqa: E402
+from eyas.train.data import PackDataset, Plan, SampleSource, fill_states  # noqa: E402
+from eyas.train.distributed import DistInfo  # noqa: E402
+from eyas.train.online import Layout, StateSpec, TargetFeed  # noqa: E402
+from eyas.train.trainer import Trainer  # noqa: E402
+
+SHAPES = {  # hidden, FFN, layers, heads, kv heads, vocab, draft vocab
+    "llama8b": (4096, 14336, 32, 32, 8, 128256, 32000),
+    "tiny": (64, 128, 4, 4, 2, 512, 256),
+}
+GOAL_SERIAL, GOAL_PEER = 0.9, 2.0
+
+
+def make_target(shape: str, dev: torch.device, dtype: torch.dtype, tokens: int) -> torch.nn.Module:
+    """A random-weight Llama of `shape`, built in `dtype` on `dev` (no download, no fp32 copy of 8B)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    h, ffn, layers, heads, kv, vocab, _ = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=max(8192, 2 * tokens),
+                      rope_theta=500000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def make_prepared(folder: Path, n: int, tokens: int, vocab: int) -> Path:
+    """`n` random sequences of `tokens` tokens, the loss on their last three quarters."""
+    from eyas.data.prepared import PreparedWriter
+
+    rng = np.random.default_rng(0)
+    w = PreparedWriter(folder, vocab_size=vocab)
+    for _ in range(n):
+        mask = np.zeros(tokens, dtype=np.uint8)
+        mask[tokens // 4:] = 1
+        w.add(rng.integers(0, vocab, tokens), mask)
+    w.finish(tokenizer="random", chat_template_sha256="", max_length=tokens, skipped={}, truncated=0,
+             options_sha256=f"bench-{n}-{tokens}", sources=[])
+    return folder
+
+
+def make_trainer(engine: HFEngine, shape: str, dev: torch.device, ttt: int, tokens: int,
+                 counts: torch.Tensor) -> Trainer:
+    """eyas' trainer with its defaults for this device (GPU: bf16, compiled, one CUDA graph per step)."""
+    head = engine.target_head()
+    dcfg = DraftConfig.from_target_config(engine.config, engine.aux_layer_ids,
+                                          options=DraftOptions(draft_vocab_size=SHAPES[shape][6]))
+    torch.manual_seed(0)
+    draft = Eagle3Draft(dcfg)
+    draft.set_vocab(*build_draft_vocab(counts, dcfg.draft_vocab_size))
+    draft.load_target_embedding(head.embed_tokens, head.embed_scale)
+    cfg = TrainConfig(ttt_steps=ttt, token_budget=tokens)
+    return Trainer(cfg, draft, head, DistInfo(device=dev), total_steps=10**6)
+
+
+def timed(run_step, steps: int, warmup: int, tokens: int, dev: torch.device) -> float:
+    """tok/s of `steps` calls of run_step() after `warmup` untimed ones."""
+    for _ in range(warmup):
+        run_step()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run_step()
+    sync(dev)
+    return steps * tokens / (time.perf_counter() - t0)
+
+
+def serial(engine: HFEngine, trainer: Trainer, rows: list[dict], args, dev: torch.device) -> float:
+    """The bare target forward, then the draft's step on states captured before timing."""
+    ready = [fill_states(r, engine) for r in rows]
+    turn = iter(range(10**9))
+
+    def step() -> None:
+        k = next(turn) % len(rows)
+        with torch.inference_mode():
+            engine.text_model(input_ids=rows[k]["input_ids"].to(dev)[None], use_cache=False)
+        trainer.train_step([ready[k]])
+
+    return timed(step, args.steps, args.warmup, args.tokens, dev)
+
+
+def online(engine: HFEngine, trainer: Trainer, prepared: Path, args, dev: torch.device) -> float:
+    """`eyas train --online`'s data path feeding the same trainer."""
+    lengths = np.full(args.steps + args.warmup + 4, args.tokens)
+    plan = Plan(lengths, args.tokens, seed=0, world=1, grad_accum=1)
+    feed = TargetFeed(engine, Layout(0, 0, [0]), StateSpec.probe(engine), dev, depth=args.prefetch)
+    batches = feed.batches(SampleSource(prepared, "prepared"), plan, 0, 0, args.steps + args.warmup,
+                           num_workers=args.workers, pin=dev.type == "cuda", pad_to=args.tokens,
+                           embed_table=trainer.embed_table)
+    try:
+        return timed(lambda: trainer.train_step(next(batches)[2]), args.steps, args.warmup, args.tokens, dev)
+    finally:
+        feed.close()
+
+
+def peer(path: str, engine: HFEngine, vocab: tuple[torch.Tensor, torch.Tensor], rows: list[dict], args,
+         dev: torch.device) -> str | float:
+    """SpecForge's online loop on the same target, rows and draft vocabulary: tok/s, or why it could not run."""
+    import specforge_online_peer as sf
+
+    if dev.type != "cuda":
+        return "not run: its loop wraps the draft in FSDP and needs a GPU"
+    from specforge_peer import one_process_group
+
+    d2t, t2d = vocab
+    try:
+        with sf.imported(Path(path).expanduser().resolve()) as api, one_process_group():
+            step = sf.build_step(api, engine.model, engine.aux_layer_ids, d2t.to(dev), t2d.to(dev), args.ttt,
+                                 args.peer_attention)
+            turn = iter(range(10**9))
+
+            def one() -> None:
+                r = rows[next(turn) % len(rows)]
+                step(r["input_ids"][: args.tokens], r["loss_mask"][: args.tokens])
+
+            return timed(one, args.steps, args.warmup, args.tokens, dev)
+    except sf.PeerUnusable as e:
+        return f"cannot be driven ({e})"
+
+
+def report(rates: dict[str, str | float]) -> None:
+    s, o, p = rates["serial"], rates["eyas online"], rates.get("peer")
+    print("\n| row | tok/s | eyas online ÷ this | goal |")
+    print("| --- | ---: | ---: | --- |")
+    print(f"| serial: bare target forward, then the draft step | {s:,.0f} | {o / s:.2f}x | >= {GOAL_SERIAL}x: "
+          f"{'met' if o / s >= GOAL_SERIAL else 'not met'} |")
+    print(f"| eyas online (TargetFeed + Trainer) | {o:,.0f} | 1.00x | |")
+    if isinstance(p, float):
+        print(f"| SpecForge online loop | {p:,.0f} | {o / p:.2f}x | >= {GOAL_PEER}x: "
+              f"{'met' if o / p >= GOAL_PEER else 'not met'} |")
+    elif p is not None:
+        print(f"peer: {p}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, str | float]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32: check that the script runs")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per sequence = per optimizer step")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--prefetch", type=int, default=2, help="steps of states the feed computes ahead")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers of the feed")
+    ap.add_argument("--peer-src", help="a SpecForge tree with its in-process online loop (the v0.2.0 tag)")
+    ap.add_argument("--peer-attention", default="flex_attention", help="its draft attention: flex_attention, sdpa")
+    ap.add_argument("--work-dir", help="where the prepared dataset of random tokens goes (default: a temp dir)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.steps, args.warmup, args.workers = min(args.tokens, 128), 3, 1, 0
+    elif not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --smoke on CPU")
+    shape, dev = ("tiny", torch.device("cpu")) if args.smoke else ("llama8b", torch.device("cuda"))
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"online benchmark: {shape} target ({dtype}) on {card}, torch {torch.__version__}, {args.tokens} tokens a "
+          f"step, TTT {args.ttt}, {args.steps} timed steps after {args.warmup}", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
+        prepared = make_prepared(Path(tmp) / "prepared", args.steps + args.warmup + 4, args.tokens, SHAPES[shape][5])
+        engine = HFEngine(make_target(shape, dev, dtype, args.tokens), dtype=dtype, device=dev)
+        counts = torch.ones(SHAPES[shape][5], dtype=torch.int64)
+        trainer = make_trainer(engine, shape, dev, args.ttt, args.tokens, counts)
+        plan = Plan(np.full(4, args.tokens), args.tokens, seed=0, world=1, grad_accum=1)
+        rows = [PackDataset(SampleSource(prepared, "prepared"), plan.packs(0), args.tokens, args.tokens, False)[k]
+                for k in range(4)]
+        rates: dict[str, str | float] = {"serial": serial(engine, trainer, rows, args, dev)}
+        print(f"serial: {rates['serial']:,.0f} tok/s", flush=True)
+        rates["eyas online"] = online(engine, trainer, prepared, args, dev)
+        print(f"eyas online: {rates['eyas online']:,.0f} tok/s", flush=True)
+        if args.peer_src:
+            vocab = trainer.draft.d2t.cpu(), trainer.draft.t2d.cpu()
+            del trainer  # its memory goes to the peer's draft and optimizer
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            rates["peer"] = peer(args.peer_src, engine, vocab, rows, args, dev)
+        report(rates)
+    return rates
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Pack what an offline node needs to run a config: the target, the data, eyas itself, and the run so far.
+
+Clusters often reach no package index and kill jobs at a time limit. `eyas bundle CONFIG --out B` writes
+a folder B that holds:
+
+    config.yaml    the config, its paths pointing inside B (target, inputs, prompts, work folder)
+    assets/        the target's folder, the chat data and the prompt files the config names
+    wheels/        eyas as a wheel, plus any --wheel requirement (pip download, no dependencies)
+    work/          the run's work folder so far (finished stages, checkpoints, partial logs)
+    README.md      the three commands that run it there; manifest.json: every file's size and sha256
+
+With --part-mb N, B is also written as tar parts of at most N MiB (B.tar.000, B.tar.001, ...) for
+transfers with a size limit; `cat B.tar.* | tar -x` puts the folder back. On the node, `eyas run
+config.yaml` from inside B runs the pipeline; a job killed at its time limit resumes where it stopped
+when run again, and bundling B/work back the same way brings the results home.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+from eyas.utils.io import EyasError, atomic_path, atomic_write_json, human_bytes, sha256_file
+from eyas.utils.schema import cli_command, option
+
+
+@dataclass(kw_only=True)
+class BundleOptions:
+    """`eyas bundle`'s options."""
+
+    config: Path = option(positional=True, help="The `eyas run` config to bundle.")
+    out: Path = option(short="-o", help="Bundle folder to write.")
+    wheel: list[str] = option(default_factory=list, show_default="none", help="Also bring this requirement as a "
+                              "wheel (pip download, no dependencies), e.g. gguf==0.10.0; repeatable.")
+    workdir: bool = option(True, help="Bring the run's work folder as it is now, so the node resumes it.")
+    part_mb: float = option(0, help="Also write the bundle as tar parts of at most this many MiB; 0 = none.")
+
+    def __post_init__(self) -> None:
+        if self.part_mb < 0:
+            raise EyasError(f"--part-mb must be >= 0 (0 = no parts), got {self.part_mb:g}")
+
+
+def run_bundle(opts: BundleOptions, log: Any = print) -> Path:
+    """Write the bundle folder (atomically) and, with --part-mb, its tar parts; returns the folder."""
+    from eyas.recipes.run import load_config, plan_pipeline
+
+    cfg = load_config(opts.config)
+    plan_pipeline(cfg, opts.config)  # a config that would not run is refused here, not on the node
+    out = Path(opts.out)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        raw = yaml.safe_load(Path(opts.config).read_text(encoding="utf-8")) or {}
+        raw = bring_assets(raw, cfg, tmp)
+        work = Path(cfg.workdir or Path("runs") / Path(opts.config).stem)
+        if opts.workdir and work.is_dir():
+            shutil.copytree(work, tmp / "work", symlinks=True)
+        raw["workdir"] = "work"
+        (tmp / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        bring_wheels(opts.wheel, tmp / "wheels")
+        (tmp / "README.md").write_text(readme(out.name, opts.wheel))
+        files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        atomic_write_json(tmp / "manifest.json", {"format": "eyas.bundle/1", "config": str(opts.config),
+                                                  "files": files})
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    log(f"bundle {out}: {len(files) + 1} files, {human_bytes(total)}; on the node: see {out / 'README.md'}")
+    if opts.part_mb:
+        parts = write_parts(out, int(opts.part_mb * (1 << 20)))
+        log(f"{len(parts)} parts of at most {opts.part_mb:g} MiB: {parts[0].name} ... "
+            f"(cat {out.name}.tar.* | tar -x)")
+    return out
+
+
+def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> dict[str, Any]:
+    """Copy the target, the chat data and the prompt files into dest/assets; return the config pointing there."""
+    from eyas.assets import mtbench_path, resolve_model
+    from eyas.data.readers import resolve_input
+
+    assets = dest / "assets"
+    assets.mkdir()
+    target = Path(resolve_model(cfg.target))
+    if not target.is_dir():
+        raise EyasError(f"target {cfg.target!r} is not a local folder (a hub id resolves only online): pass the "
+                        "target's transformers folder in the config's `target:` to bundle it")
+    shutil.copytree(target, assets / "target", ignore=shutil.ignore_patterns("*.gguf", ".cache"))
+    raw["target"] = "assets/target"
+    inputs = []
+    for i, name in enumerate((raw.get("prepare") or {}).get("inputs") or ["sharegpt"]):
+        source = resolve_input(str(name))
+        src = Path(source.spec)
+        if source.kind == "hub" or not src.exists():
+            raise EyasError(f"prepare input {name!r} is not a local file or folder (a hub dataset resolves only "
+                            "online): save it to disk first (datasets' save_to_disk) and name that folder")
+        dst = assets / "inputs" / f"{i}-{src.name}"
+        dst.parent.mkdir(exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+        inputs.append(dst.relative_to(dest).as_posix())
+    raw.setdefault("prepare", {})
+    raw["prepare"] = {**(raw["prepare"] or {}), "inputs": inputs}
+    ev = raw.get("eval") or {}
+    prompts = []
+    for part in str(ev.get("prompts", "mtbench")).split(","):
+        name, _, path = part.strip().partition("=")
+        src = Path(path or name).expanduser()
+        if name.lower() == "mtbench" and not path:
+            src = mtbench_path()
+        elif not src.exists():
+            raise EyasError(f"eval prompts {part!r}: only mtbench and local files travel in a bundle")
+        dst = assets / "prompts" / src.name
+        dst.parent.mkdir(exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+        prompts.append(f"{name or src.stem}={dst.relative_to(dest).as_posix()}")
+    raw["eval"] = {**ev, "prompts": ",".join(prompts)}
+    return raw
+
+
+def bring_wheels(requirements: list[str], dest: Path) -> None:
+    """eyas itself as a wheel (from this source tree) and each extra requirement, without dependencies."""
+    dest.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        raise EyasError(f"eyas is not installed from a source tree ({root} has no pyproject.toml): install it "
+                        "from its repository to bundle it")
+    cmds = [[sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest),
+             str(root)]]
+    cmds += [[sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest), r] for r in requirements]
+    for cmd in cmds:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise EyasError(f"`{' '.join(cmd[3:])}` failed: {done.stderr.strip()[-400:]}")
+    for junk in dest.glob("*.tmp"):
+        junk.unlink()
+
+
+def write_parts(folder: Path, part_bytes: int) -> list[Path]:
+    """folder as one tar stream cut into files of at most `part_bytes` (folder.tar.000, .001, ...)."""
+    for old in folder.parent.glob(f"{folder.name}.tar.*"):
+        old.unlink()
+    writer = _PartWriter(folder.parent / f"{folder.name}.tar", part_bytes)
+    with tarfile.open(fileobj=writer, mode="w|") as tar:
+        tar.add(folder, arcname=folder.name)
+    writer.close()
+    return writer.parts
+
+
+class _PartWriter:
+    """A file-like sink that starts a new part file every `limit` bytes."""
+
+    def __init__(self, stem: Path, limit: int) -> None:
+        self.stem, self.limit, self.parts = stem, max(1, limit), []
+        self.f = None
+        self.left = 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            if self.left == 0:
+                self.close()
+                self.parts.append(self.stem.with_name(f"{self.stem.name}.{len(self.parts):03d}"))
+                self.f, self.left = open(self.parts[-1], "wb"), self.limit  # noqa: SIM115 - closed in close()
+            n = min(self.left, len(view))
+            self.f.write(view[:n])
+            view, self.left = view[n:], self.left - n
+        return len(data)
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+def readme(name: str, wheels: list[str]) -> str:
+    extra = f" {' '.join(w.split('==')[0] for w in wheels)}" if wheels else ""
+    return "\n".join([
+        f"# eyas bundle `{name}`",
+        "",
+        "On a node with Python, torch and transformers but no package index (eyas' other requirements,",
+        "e.g. typer, rich, pyyaml, jinja2, must be there too, or come as --wheel):",
+        "",
+        "```bash",
+        f"cat {name}.tar.* | tar -x   # only if it came as parts",
+        f"cd {name}",
+        f"pip install --no-index --no-deps --find-links wheels eyas{extra}",
+        "eyas run config.yaml        # killed at a time limit? run it again: it resumes",
+        "```",
+        "",
+        "Paths in config.yaml are relative to this folder. `work/` holds the run; bring it back with",
+        "`tar -c work | ...` or `eyas bundle` on the node.",
+        "",
+    ])
+
+
+cli = cli_command(BundleOptions, lambda opts: run_bundle(opts, log=typer.echo))

@@ -1,0 +1,388 @@
+"""Faults and bad input for every stage, counted (tests/_reliability.py defines the cases; docs/reliability.md
+is rendered from them and from what these tests saw).
+
+Faults: `python -m eyas.cli STAGE ...` on a tiny random Llama (hidden 32, head_dim 16, SmolLM2's tokenizer)
+is SIGKILLed at seeded points, then the same command runs again: the result must equal an uninterrupted
+run's, byte for byte except wall-clock fields, with no temporary or partial file left behind.
+Bad inputs: each kind ends in one clear `eyas: error:` message, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from _reliability import BAD_INPUTS, STAGES, TABLE, BadInput, KillPoint, Outcomes, kill_points, render
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KILLPOINT = Path(__file__).parent / "_killpoint.py"
+TIMING = {"seconds", "elapsed", "tok_s", "tok_per_s", "speedup", "created"}  # wall-clock: differ run to run
+SPEED_PLOT = "tau_vs_k.png"  # its second panel plots the measured speedup
+OUTCOMES = Outcomes()
+
+
+@dataclass
+class World:
+    """The inputs every stage's runs share (built once, in this process)."""
+
+    root: Path
+    target: Path
+    chat: Path
+    prepared: Path
+    store: Path
+    draft: Path
+    vocab: int
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, smollm2_dir) -> World:
+    import torch
+    import transformers as tf
+
+    from eyas.recipes.extract import ExtractOptions, run_extract
+    from eyas.recipes.prepare import PrepareOptions, prepare
+    from eyas.recipes.train import TrainOptions, run_train
+
+    root = tmp_path_factory.mktemp("world")
+    tok = tf.AutoTokenizer.from_pretrained(smollm2_dir)
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=16, vocab_size=len(tok), max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    tf.LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"},
+        {"role": "assistant", "content": f"{i} plus {i + 1} is {2 * i + 1}."}]}) + "\n" for i in range(16)))
+    w = World(root, root / "target", chat, root / "prepared", root / "store", root / "train" / "draft", len(tok))
+    prepare(PrepareOptions(inputs=[str(chat)], model=str(w.target), out=w.prepared, max_length=64, num_workers=1))
+    run_extract(ExtractOptions(prepared=w.prepared, model=str(w.target), out=w.store, device="cpu", dtype="float32",
+                               shard_mb=0.05, token_budget=128))
+    run_train(TrainOptions(store=w.store, out=root / "train", max_steps=2, token_budget=128, num_workers=0,
+                           device="cpu", draft_vocab_size=w.vocab, ttt_steps=2), log=lambda m: None)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# the stages' commands
+# ---------------------------------------------------------------------------------------------
+
+
+def command(stage: str, w: World, out: Path) -> list[str]:
+    """The stage's command line, writing under `out`."""
+    s = str
+    return {
+        "prepare": ["prepare", s(w.chat), "--model", s(w.target), "--out", s(out / "prepared"), "--max-length", "64",
+                    "--num-workers", "1"],
+        "regenerate": ["regenerate", s(w.chat), "--model", s(w.target), "--out", s(out / "conv.jsonl"),
+                       "--batch-size", "2", "--max-samples", "8", "--max-new-tokens", "6", "--temperature", "0",
+                       "--device", "cpu", "--generator", "generate"],
+        "extract": ["extract", "--prepared", s(w.prepared), "--model", s(w.target), "--out", s(out / "store"),
+                    "--device", "cpu", "--dtype", "float32", "--shard-mb", "0.05", "--token-budget", "128"],
+        "train": ["train", "--store", s(w.store), "--out", s(out / "train"), *TRAIN_ARGS(w), "--resume"],
+        "export": ["export", "--draft", s(w.draft), "--format", "all", "--out", s(out / "export")],
+        "eval": ["eval", "--draft", s(w.draft), "--model", s(w.target), "--prompts", s(w.chat), "--max-prompts", "3",
+                 "--max-turns", "1", "--max-new-tokens", "8", "--chain", "2", "--tree", "4:2:2", "--device", "cpu",
+                 "--out", s(out / "eval")],
+        "run": ["run", s(run_config(w, out))],
+    }[stage]
+
+
+def TRAIN_ARGS(w: World) -> list[str]:  # noqa: N802 - a constant that needs the world
+    return ["--max-steps", "6", "--save-every", "2", "--log-every", "1", "--token-budget", "128", "--num-workers", "0",
+            "--device", "cpu", "--draft-vocab-size", str(w.vocab), "--ttt-steps", "2"]
+
+
+def run_config(w: World, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"target": str(w.target), "workdir": str(out / "work"),
+           "prepare": {"inputs": [str(w.chat)], "max_length": 64, "num_workers": 1},
+           "extract": {"device": "cpu", "dtype": "float32", "shard_mb": 0.05, "token_budget": 128},
+           "train": {"max_steps": 4, "save_every": 2, "log_every": 1, "token_budget": 128, "num_workers": 0,
+                     "device": "cpu", "draft_vocab_size": w.vocab, "ttt_steps": 2},
+           "eval": {"prompts": str(w.chat), "max_prompts": 1, "max_turns": 1, "max_new_tokens": 6, "chain": "2",
+                    "tree": "none", "device": "cpu"}}
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(args: list[str], root: Path, **kill: str) -> subprocess.CompletedProcess:
+    """`python -m eyas.cli ARGS` through the kill-point launcher, file events counted under `root`."""
+    env = {**os.environ, "EYAS_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "EYAS_KILL_ROOT": str(root), **kill}
+    return subprocess.run([sys.executable, str(KILLPOINT), *args], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=root)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparing outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _scrub(x, out: str):
+    """A JSON value without wall-clock fields, with the run's own folder spelled <OUT>."""
+    if isinstance(x, dict):
+        return {k: _scrub(v, out) for k, v in x.items() if k not in TIMING}
+    if isinstance(x, list):
+        return [_scrub(v, out) for v in x]
+    return x.replace(out, "<OUT>") if isinstance(x, str) else x
+
+
+def snapshot(out: Path) -> dict[str, object]:
+    """Every file under `out`: its bytes' sha256, or for what holds wall-clock values, the rest of it."""
+    snap: dict[str, object] = {}
+    for p in sorted(out.rglob("*")):
+        rel = str(p.relative_to(out))
+        if not p.is_file() or p.name == "config.yaml":
+            continue
+        if p.name == "run_state.json":  # per-stage fingerprints hash this folder's path, and seconds
+            snap[rel] = sorted(json.loads(p.read_text()))
+        elif p.name == "progress.json":  # `start`: the step this process began at (a resume's is later)
+            snap[rel] = {k: v for k, v in _scrub(json.loads(p.read_text()), str(out)).items() if k != "start"}
+        elif p.suffix == ".json":
+            snap[rel] = _scrub(json.loads(p.read_text()), str(out))
+        elif p.suffix == ".jsonl":
+            snap[rel] = [_scrub(json.loads(line), str(out)) for line in p.read_text().splitlines()]
+        elif p.suffix == ".md":
+            snap[rel] = _untimed_tables(p.read_text().replace(str(out), "<OUT>"))
+        elif p.suffix == ".pt":  # torch.save's bytes hold a random serialization_id: compare what it holds
+            snap[rel] = _checkpoint_state(p)
+        elif p.name == SPEED_PLOT:
+            snap[rel] = "plots speedup"
+        else:
+            snap[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return snap
+
+
+def _checkpoint_state(path: Path) -> str:
+    """A training state.pt's content less the global RNG states it records. Python's and NumPy's are never
+    seeded, so two uninterrupted runs differ there too; torch's is one draw ahead after a resume (the
+    resumed run's DataLoader draws its seed again). Nothing in training draws from them: the weights, the
+    optimizer and the schedule, compared here, are identical."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state.pop("rng")
+    digest = hashlib.sha256()
+
+    def walk(x) -> None:
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                digest.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, torch.Tensor):
+            digest.update(repr((x.dtype, tuple(x.shape))).encode())
+            digest.update(x.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(x).encode())
+
+    walk(state)
+    return digest.hexdigest()
+
+
+def _untimed_tables(md: str) -> str:
+    """Markdown with the cells of its tok/s and speedup columns blanked (eval's report.md)."""
+    out, header = [], []
+    for line in md.splitlines():
+        cells = line.split("|")
+        if line.startswith("|") and not header:
+            header = [c.strip() for c in cells]
+        elif line.startswith("|") and not set(line) <= set("|-: "):
+            cells = [c if i >= len(header) or header[i] not in ("tok/s", "speedup") else " - " for i, c in
+                     enumerate(cells)]
+        elif not line.startswith("|"):
+            header = []
+        out.append("|".join(cells))
+    return "\n".join(out)
+
+
+def debris(out: Path) -> list[str]:
+    """Temporary or partial files a finished run must not leave."""
+    return [str(p.relative_to(out)) for p in out.rglob("*")
+            if p.name.startswith((".tmp-", ".old-")) or ".partial" in p.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# faults
+# ---------------------------------------------------------------------------------------------
+
+
+def kill_and_rerun(stage: str, w: World, out: Path, point: KillPoint, clean: dict) -> tuple[str, list[str]]:
+    """Kill the stage at `point`, run it again; return (the rerun's stderr, what differs from `clean`)."""
+    args = command(stage, w, out)
+    if point.how == "event":
+        kill = {"EYAS_KILL_EVENT": str(max(1, round(point.at * clean["events"])))}
+    else:
+        # timed from its first change; at the latest just before its last one (a stage that writes for a few
+        # milliseconds may otherwise finish before the timer fires)
+        kill = {"EYAS_KILL_AFTER": str(point.at * (clean["last"] - clean["first"])),
+                "EYAS_KILL_EVENT": str(clean["events"])}
+    killed = launch(args, out, **kill)
+    assert killed.returncode == -9, f"{stage} {point}: not killed (exit {killed.returncode}): {killed.stderr[-2000:]}"
+    again = launch(args, out)
+    assert again.returncode == 0, f"{stage} {point}: the rerun failed: {again.stderr[-3000:]}"
+    ref, got = clean["snapshot"], snapshot(out)
+    diff = [k for k in sorted(set(ref) | set(got)) if ref.get(k) != got.get(k)] + debris(out)
+    return again.stderr, diff
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_killed_at_seeded_points_the_rerun_ends_as_an_uninterrupted_run(stage, world, tmp_path):
+    clean_out = tmp_path / "clean"
+    clean_out.mkdir()
+    count = tmp_path / "clean-killpoint.json"
+    r = launch(command(stage, world, clean_out), clean_out, EYAS_KILL_COUNT=str(count))
+    assert r.returncode == 0, r.stderr[-3000:]
+    clean = {**json.loads(count.read_text()), "snapshot": snapshot(clean_out)}
+    assert clean["events"] > 2 and not debris(clean_out)
+    points = kill_points(stage)
+    outs = [tmp_path / f"killed-{i}" for i in range(len(points))]
+    for o in outs:
+        o.mkdir()
+    with ThreadPoolExecutor(2) as pool:  # two cores: the seeds run side by side
+        results = list(pool.map(lambda a: kill_and_rerun(stage, world, *a, clean), zip(outs, points, strict=True)))
+    OUTCOMES.kills[stage] = [f"{p}: " + ("identical" if not diff else f"differs in {diff}")
+                             for p, (_, diff) in zip(points, results, strict=True)]
+    for p, (err, diff) in zip(points, results, strict=True):
+        assert not diff, f"{stage} killed at {p}: the rerun differs from an uninterrupted run in {diff}\n{err[-2000:]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# bad inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def damaged_copy(src: Path, dest: Path, shard: str, damage) -> Path:
+    shutil.copytree(src, dest)
+    f = dest / shard
+    f.write_bytes(damage(f.read_bytes()))
+    return dest
+
+
+def truncate(b: bytes) -> bytes:
+    return b[:len(b) // 2]
+
+
+def bad_input_args(b: BadInput, w: World, tmp: Path) -> list[str]:
+    """The command line of one bad input (making the broken files it needs under `tmp`)."""
+    s, empty = str, tmp / "empty"
+    empty.mkdir()
+    shard = "shard-00000.safetensors"
+    prep = ["--model", s(w.target), "--out", s(tmp / "out"), "--num-workers", "1"]
+    regen = ["--out", s(tmp / "conv.jsonl"), "--device", "cpu", "--max-new-tokens", "4"]
+    extract = ["--out", s(tmp / "store"), "--device", "cpu", "--dtype", "float32"]
+    train = ["--out", s(tmp / "train"), *TRAIN_ARGS(w)]
+    evaluate = ["--model", s(w.target), "--prompts", s(w.chat), "--max-prompts", "1", "--device", "cpu", "--out",
+                s(tmp / "eval")]
+
+    def write(name: str, text: str) -> str:
+        (tmp / name).write_text(text)
+        return s(tmp / name)
+
+    def run_cfg(text: str, name: str = "bad.yaml") -> list[str]:
+        return ["run", write(name, f"target: {w.target}\nworkdir: {tmp / 'work'}\n{text}")]
+
+    return {
+        ("prepare", "input file does not exist"): lambda: ["prepare", s(tmp / "nope.jsonl"), *prep],
+        ("prepare", "input is not chat data (CSV named .jsonl)"): lambda: [
+            "prepare", write("table.jsonl", "a,b\n1,2\n"), *prep],
+        ("prepare", "every JSONL line cut off"): lambda: [
+            "prepare", write("cut.jsonl", '{"messages": [{"role": "user", "content": "hi\n' * 2), *prep],
+        ("prepare", "target folder without a tokenizer"): lambda: [
+            "prepare", s(w.chat), "--model", s(empty), "--out", s(tmp / "out")],
+        ("prepare", "--template-kwargs is not JSON"): lambda: ["prepare", s(w.chat), *prep, "--template-kwargs", "{a"],
+        ("regenerate", "input file does not exist"): lambda: [
+            "regenerate", s(tmp / "nope.jsonl"), "--model", s(w.target), *regen],
+        ("regenerate", "--temperature -1"): lambda: [
+            "regenerate", s(w.chat), "--model", s(w.target), *regen, "--temperature", "-1"],
+        ("regenerate", "GGUF target transformers cannot read"): lambda: [
+            "regenerate", s(w.chat), "--model", write("broken.gguf", "GGUF" + "\0" * 60), *regen],
+        ("extract", "--prepared is not a prepared dataset"): lambda: [
+            "extract", "--prepared", s(tmp / "nope"), "--model", s(w.target), *extract],
+        ("extract", "prepared shard truncated"): lambda: [
+            "extract", "--prepared", s(damaged_copy(w.prepared, tmp / "prepared", shard, truncate)),
+            "--model", s(w.target), *extract],
+        ("extract", "aux layer beyond the target's layers"): lambda: [
+            "extract", "--prepared", s(w.prepared), "--model", s(w.target), "--aux-layers", "1,99", *extract],
+        ("extract", "target folder without config.json"): lambda: [
+            "extract", "--prepared", s(w.prepared), "--model", s(empty), *extract],
+        ("train", "store shard with a damaged header"): lambda: [
+            "train", "--store", s(damaged_copy(w.store, tmp / "store", shard, lambda b: b[:12] + b"#" * 8 + b[20:])),
+            *train],
+        ("train", "store shard truncated"): lambda: [
+            "train", "--store", s(damaged_copy(w.store, tmp / "store", shard, truncate)), *train],
+        ("train", "flipped bytes in a shard, --verify-store"): lambda: [
+            "train", "--store", s(damaged_copy(w.store, tmp / "store", shard, lambda b: b[:-5] + bytes(
+                [b[-5] ^ 0xFF]) + b[-4:])), *train, "--verify-store"],
+        ("train", "--store is not a store"): lambda: ["train", "--store", s(tmp / "nope"), *train],
+        ("train", "both --store and --prepared"): lambda: [
+            "train", "--store", s(w.store), "--prepared", s(w.prepared), *train],
+        ("export", "--draft is not a draft folder"): lambda: ["export", "--draft", s(empty), "--out", s(tmp / "x")],
+        ("export", "draft weights truncated"): lambda: [
+            "export", "--draft", s(damaged_copy(w.draft, tmp / "draft", "model.safetensors", truncate)),
+            "--out", s(tmp / "x")],
+        ("export", "--num-speculative-tokens -1"): lambda: [
+            "export", "--draft", s(w.draft), "--out", s(tmp / "x"), "--num-speculative-tokens", "-1"],
+        ("eval", "--draft does not exist"): lambda: ["eval", "--draft", s(tmp / "nope"), *evaluate],
+        ("eval", "--chain is not numbers"): lambda: ["eval", "--draft", s(w.draft), *evaluate, "--chain", "a,b"],
+        ("eval", "--tree is malformed"): lambda: ["eval", "--draft", s(w.draft), *evaluate, "--tree", "5"],
+        ("eval", "--temperature -1"): lambda: ["eval", "--draft", s(w.draft), *evaluate, "--temperature", "-1"],
+        ("run", "text where a number belongs"): lambda: run_cfg("train:\n  lr: fast\n"),
+        ("run", "a number where text belongs"): lambda: run_cfg("eval:\n  prompts: 5\n"),
+        ("run", "text where a list belongs"): lambda: run_cfg("prepare:\n  inputs: dummy\n"),
+        ("run", "unknown key"): lambda: run_cfg("train:\n  lerning_rate: 0.001\n"),
+        ("run", "invalid YAML"): lambda: run_cfg("train:\n  lr: [1\n"),
+        ("run", "config file does not exist"): lambda: ["run", s(tmp / "nope.yaml")],
+    }[(b.stage, b.kind)]()
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS, ids=[f"{b.stage}: {b.kind}" for b in BAD_INPUTS])
+def test_bad_input_ends_in_one_clear_error(bad, world, tmp_path, capsys, monkeypatch):
+    """In this process through the CLI's own entry point (what `eyas` runs): an exception other than
+    EyasError would escape as a traceback and fail the test."""
+    from eyas.cli import main
+
+    args = bad_input_args(bad, world, tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["eyas", *args])
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))  # a GGUF that fails leaves nothing behind
+    with pytest.raises(SystemExit) as ended:
+        main()
+    err = capsys.readouterr().err
+    assert ended.value.code == 2, err
+    assert "Traceback" not in err and err.count("eyas: error:") == 1, err
+    assert re.search(bad.expect, " ".join(err.split()), re.S), f"{bad.kind}: {err}"
+    OUTCOMES.bad[(bad.stage, bad.kind)] = "clear error (exit 2)"
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_reliability_table_is_what_the_tests_define_and_saw():
+    """docs/reliability.md is rendered from tests/_reliability.py's cases and this session's outcomes;
+    EYAS_WRITE_RELIABILITY=1 rewrites it (after every case above ran and passed)."""
+    if not OUTCOMES.complete():
+        pytest.skip("not every fault and bad-input case ran in this session: the table needs them all")
+    text = render(OUTCOMES)
+    if os.environ.get("EYAS_WRITE_RELIABILITY"):
+        TABLE.write_text(text)
+    assert TABLE.is_file() and TABLE.read_text() == text, (
+        f"{TABLE} is out of date with the cases: rerun `EYAS_WRITE_RELIABILITY=1 pytest tests/test_reliability.py`")
