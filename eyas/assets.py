@@ -89,6 +89,9 @@ def _read_gguf(gguf: Path) -> tuple:
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", gguf.name):
         raise EyasError(f"{gguf} is one part of a split GGUF, which transformers does not read. Merge the parts into "
                         f"one file with llama.cpp: llama-gguf-split --merge {gguf} merged.gguf")
+    if importlib.util.find_spec("gguf") is None:
+        raise EyasError(f"reading {gguf} needs the gguf package, which is not installed. Install it with: "
+                        "pip install gguf")
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -59,8 +59,9 @@ RERUNS = {
                   "generations are kept in OUT.partial.jsonl)",
                   "timings (`seconds`, `tok_s`, `speedup`, `created`) in report.json and report.md, and the "
                   "speedup plot tau_vs_k.png: a resumed run times only what it redid"),
-    "run": Rerun("every stage's outputs, as above", "as above, and run_state.json's per-stage fingerprints and "
-                 "seconds (they hash the work folder's own path)"),
+    "run": Rerun("every stage's outputs, as above", "as above, run_state.json's per-stage fingerprints and "
+                 "seconds (they hash the work folder's own path), and summary.json's `in_words` (it quotes the "
+                 "speedup)"),
 }
 
 

@@ -89,17 +89,17 @@ RATES = (
     Rate("extract", "hf", "H100", "llama-3.1-8b", 2048, 2.24 * 14_455, source=f"{B} Extract: 2.24x naive's 14,455"),
     Rate("extract", "hf", "H200", "llama-3.1-8b", 2048, 33_216, source=f"{B} Extract, one H200, eyas row"),
     Rate("extract", "hf", "H200", "smollm2-135m", 2048, 446_080, source=f"{B} Extract, one H200, eyas row"),
-    Rate("extract", "hf", "cpu", "smollm2-135m", 256, 411, source=f"{B} The quickstart on a 2-core CPU, extract"),
+    Rate("extract", "hf", "cpu", "smollm2-135m", 256, 539, source=f"{B} The quickstart on a 2-core CPU, extract"),
     Rate("train", "eyas", "H100", "llama-3.1-8b", 2048, 25_076, source=f"{B} Train, current (H100), graphed"),
     Rate("train", "eyas", "H100", "smollm2-135m", 2048, 140_567, source=f"{B} Train, current (H100)"),
     Rate("train", "eyas", "H200", "llama-3.1-8b", 8192, 26_938, source=f"{B} Train, eyas alone (H200), graphed"),
     Rate("train", "eyas", "H200", "llama-3.1-8b", 2048, 26_164, source=f"{B} Train, eyas alone (H200), graphed"),
     Rate("train", "eyas", "H200", "smollm2-135m", 8192, 174_698, source=f"{B} Train, eyas alone (H200), graphed"),
-    Rate("train", "eyas", "cpu", "smollm2-135m", 1024, 320, 8000, 3, source=f"{B} The quickstart, train"),
+    Rate("train", "eyas", "cpu", "smollm2-135m", 1024, 430, 8000, 3, source=f"{B} The quickstart, train"),
     Rate("train-online", "hf", "H100", "smollm2-135m", 16384, 87_500, draft_intermediate=6144,
          source=f"{B} Quality: the recipe's schedules, 75-100k tok/s on the H100"),
     Rate("eval", "hf", "H200", "smollm2-135m", 96, 34.9, source=f"{B} Quality, GPU smoke config: the target alone"),
-    Rate("eval", "hf", "cpu", "smollm2-135m", 48, 6.4, source=f"{B} The quickstart, eval (2,016 tokens in 315 s)"),
+    Rate("eval", "hf", "cpu", "smollm2-135m", 48, 11.3, source=f"{B} The quickstart, eval (1,152 tokens in 102 s)"),
 )
 
 # ShareGPT (all 17,344 conversations prepare keeps) in SmolLM2's tokenizer, measured 2026-12-06 on this

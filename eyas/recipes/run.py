@@ -276,12 +276,13 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     tau_after = _overall_tau(after / "report.json")
     tau_before = _overall_tau(before / "report.json") if (before / "report.json").is_file() else {}
     speed = {m: v.get("speedup") for m, v in read_json(after / "report.json")["results"]["all"].items()}
-    table = Table(title="acceptance length tau (MT-Bench style prompts), before and after training")
-    for col in ("method", "tau untrained", "tau trained", "speedup (trained)"):
+    before = bool(tau_before)  # measured only with compare_untrained
+    table = Table(title="acceptance length tau (MT-Bench style prompts)" + (", before and after training" * before))
+    for col in ("method", *["tau untrained"] * before, "tau trained", "speedup (trained)"):
         table.add_column(col, justify="right")
     for method in tau_after:
         sp = speed.get(method)
-        table.add_row(method, f"{tau_before.get(method, float('nan')):.2f}", f"{tau_after[method]:.2f}",
+        table.add_row(method, *[f"{tau_before.get(method, float('nan')):.2f}"] * before, f"{tau_after[method]:.2f}",
                       f"{sp:.2f}x" if isinstance(sp, (int, float)) else "-")
     out = Console()
     out.print(table)
