@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from test_ttt import V_D, H, V, fast_loss, grads, make_pack, reference_loss, rel
+from test_ttt import V_D, H, V, assert_unroll_matches_replay, fast_loss, rel
 
 from eyas.engines.head import TargetHead
 from eyas.model.attention import causal_attend
@@ -94,16 +94,7 @@ def test_mla_ttt_matches_inference_replay(steps, layers, yarn):
     """The TTT unroll of an MLA draft (keys and values of its own width) equals inference replayed
     with the KV cache, loss, statistics and gradients; flex attention gives math's loss."""
     draft, head = make_mla_setup(layers=layers, yarn=yarn)
-    lengths = [9, 7]
-    pack = make_pack(lengths, pad=4)
-    loss, stats = fast_loss(draft, head, pack, steps)
-    ref_loss, ref_stats = reference_loss(draft, head, pack, lengths, steps)
-    assert ref_stats[:, 2].min() >= 2, "the test batch must train every step"
-    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
-    assert torch.allclose(stats, ref_stats, rtol=1e-5, atol=1e-4)
-    g_fast, g_ref = grads(draft, loss), grads(draft, ref_loss)
-    for name in g_ref:
-        assert rel(g_fast[name], g_ref[name]) < 1e-4, name
+    pack, loss, stats = assert_unroll_matches_replay(draft, head, steps)
     with torch.no_grad():
         flex_loss, flex_stats = fast_loss(draft, head, pack, steps, attention="flex")
     assert rel(flex_loss, loss.detach()) < 1e-5 and torch.allclose(flex_stats, stats, rtol=1e-5, atol=1e-4)

@@ -117,6 +117,12 @@ def rel(a, b):
 @pytest.mark.parametrize(("steps", "layers"), [(1, 1), (3, 1), (3, 2)])
 def test_fast_ttt_matches_inference_replay(steps, layers):
     draft, head = make_setup(layers=layers)
+    assert_unroll_matches_replay(draft, head, steps)
+
+
+def assert_unroll_matches_replay(draft, head, steps: int):
+    """The fast TTT unroll equals inference replayed step by step: loss, statistics and gradients. Returns
+    (pack, loss, stats) for further checks."""
     lengths = [9, 7]
     pack = make_pack(lengths, pad=4)
     loss, stats = fast_loss(draft, head, pack, steps)
@@ -127,6 +133,7 @@ def test_fast_ttt_matches_inference_replay(steps, layers):
     g_fast, g_ref = grads(draft, loss), grads(draft, ref_loss)
     for name in g_ref:
         assert rel(g_fast[name], g_ref[name]) < 1e-4, name
+    return pack, loss, stats
 
 
 def test_fused_loss_matches_plain_autograd_and_rows_are_independent():
