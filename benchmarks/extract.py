@@ -5,6 +5,7 @@
 
 Rows, per target shape (random weights, bf16, SDPA, sequences of --seq-len tokens):
   bare forward   the decoder alone (no lm_head, no capture, nothing leaves the device): the upper bound
+  bare forward, compiled   the same with each decoder layer torch.compiled, as `--compile` does (with --compile)
   naive e2e      what peers do: model(..., output_hidden_states=True), then for each sample .cpu() and
                  torch.save of its aux + final states
   eyas e2e       `run_extract` into a real store: hooks, D2H copies on a side stream into pinned shard
@@ -85,15 +86,21 @@ def batches_of(n: int, seq_len: int, budget: int, vocab: int, dev: torch.device)
 
 
 @torch.inference_mode()
-def bare_forward(model, batches: list[torch.Tensor], dev: torch.device) -> float:
+def bare_forward(model, batches: list[torch.Tensor], dev: torch.device, compiled: bool = False) -> float:
     text = model.model
-    text(input_ids=batches[0][:1], use_cache=False)  # warm-up (kernels, allocator)
+    if compiled:  # as `--compile` does it: each decoder layer, for any shape
+        for layer in text.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+    text(input_ids=batches[0], use_cache=False)  # warm-up (kernels, allocator, compile)
     sync(dev)
     t = time.perf_counter()
     for ids in batches:
         text(input_ids=ids, use_cache=False)
     sync(dev)
-    return time.perf_counter() - t
+    dt = time.perf_counter() - t
+    for layer in text.layers:
+        layer.__dict__.pop("forward", None)
+    return dt
 
 
 @torch.inference_mode()
@@ -114,12 +121,15 @@ def naive_e2e(model, batches: list[torch.Tensor], aux_ids: list[int], out: Path,
     return time.perf_counter() - t
 
 
-def eyas_e2e(model, prepared: Path, out: Path, budget: int, dev: torch.device, fp8: bool) -> dict:
-    engine = HFEngine(model, dtype="bfloat16", device=dev)
-    engine.capture([torch.zeros(8, dtype=torch.long)])  # warm-up, as for the other rows
+def eyas_e2e(model, prepared: Path, out: Path, budget: int, dev: torch.device, fp8: bool,
+             compiled: bool = False) -> dict:
+    engine = HFEngine(model, dtype="bfloat16", device=dev, compile=compiled)
+    z = torch.zeros(8, dtype=torch.long)
+    engine.capture([z, z])  # warm-up, as for the other rows (and the compile: batch > 1, as in the run)
+    engine.capture([z, z[:7]])  # ragged batches carry a mask: their graph too
     stats: dict = {}
-    run_extract(ExtractOptions(prepared=prepared, out=out, model="bench", token_budget=budget, fp8=fp8),
-                engine_obj=engine, stats=stats)
+    run_extract(ExtractOptions(prepared=prepared, out=out, model="bench", token_budget=budget, fp8=fp8,
+                               compile=compiled), engine_obj=engine, stats=stats)
     engine.close()
     return stats
 
@@ -141,13 +151,19 @@ def bench_shape(shape: str, args, dev: torch.device, work: Path, ceiling: float)
     t_bare = bare_forward(model, batches, dev)
     tflops = tokens * flops_per_token(cfg, T) / t_bare / 1e12
     rows.append((shape, "bare forward", tokens / t_bare, f"{tflops:.3g} TFLOP/s = {tflops / ceiling:.0%} of ceiling"))
+    if args.compile:
+        t_c = bare_forward(model, batches, dev, compiled=True)
+        tflops = tokens * flops_per_token(cfg, T) / t_c / 1e12
+        rows.append((shape, "bare forward, compiled", tokens / t_c,
+                     f"{tflops:.3g} TFLOP/s = {tflops / ceiling:.0%} of ceiling"))
     t_naive = naive_e2e(model, batches, aux_ids, work / "naive", dev)
     shutil.rmtree(work / "naive", ignore_errors=True)
     rows.append((shape, "naive e2e (torch.save)", tokens / t_naive, ""))
-    for fp8 in [False, True] if args.fp8 else [False]:
-        st = eyas_e2e(model, prepared, work / "store", budget, dev, fp8)
+    cases = [(False, False)] + [(True, False)] * args.fp8 + [(False, True)] * args.compile
+    for fp8, compiled in cases:
+        st = eyas_e2e(model, prepared, work / "store", budget, dev, fp8, compiled)
         shutil.rmtree(work / "store", ignore_errors=True)
-        name = "eyas e2e" + (" fp8" if fp8 else "")
+        name = "eyas e2e" + (" fp8" if fp8 else "") + (", compiled" if compiled else "")
         rows.append((shape, name, st["tokens"] / st["seconds"],
                      f"{st['bytes'] / st['seconds'] / 2**30:.2f} GiB/s to disk; "
                      f"+{st['total_seconds'] - st['seconds']:.1f}s one-off (plan, head, manifest)"))
@@ -167,6 +183,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=0, help="sequences per row (0: 192 for 8B, 768 for SmolLM2)")
     p.add_argument("--token-budget", type=int, default=0, help="0: eyas' default for the shape")
     p.add_argument("--fp8", action="store_true", help="also time eyas with fp8 storage")
+    p.add_argument("--compile", action="store_true", help="also time the bare forward and eyas with --compile")
     p.add_argument("--work-dir", default=None, help="where stores are written (deleted after each row)")
     args = p.parse_args()
     os.environ.setdefault("EYAS_NO_PROGRESS", "1")
@@ -201,9 +218,10 @@ def main() -> None:
             print(f"| {shape} | {step} | {rate:,.0f} | {rate / bare:.2f} | {rate / naive:.2f} | {note} |")
     for shape in ("llama-8b",):
         rs = {r[1]: r[2] for r in rows if r[0] == shape}
-        if rs:
-            a, b = rs["eyas e2e"] / rs["bare forward"], rs["eyas e2e"] / rs["naive e2e (torch.save)"]
-            print(f"\ngoals on {shape}: eyas/bare {a:.2f} (>= 0.85: {'PASS' if a >= 0.85 else 'FAIL'}), "
+        for name in [n for n in rs if n.startswith("eyas e2e") and "fp8" not in n]:
+            bare = rs["bare forward" + name.removeprefix("eyas e2e")]
+            a, b = rs[name] / bare, rs[name] / rs["naive e2e (torch.save)"]
+            print(f"\ngoals on {shape}, {name}: eyas/bare {a:.2f} (>= 0.85: {'PASS' if a >= 0.85 else 'FAIL'}), "
                   f"eyas/naive {b:.2f} (>= 2.5: {'PASS' if b >= 2.5 else 'FAIL'})")
 
 

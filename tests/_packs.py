@@ -4,13 +4,11 @@ decoding tests train on, and the checks both families' training and decoding tes
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from _draft_utils import capture
-from _train_utils import make_store
-from test_eval import tiny_target as tiny_llama
+from _eval_utils import tiny_target as tiny_llama
+from _train_utils import metric_rows
 
 from eyas.engines.head import TargetHead
 from eyas.eval import ChainSpec, HFTarget, SpeculativeDecoder, TreeSpec, evaluate_draft, target_generate
@@ -72,20 +70,6 @@ def tiny_target() -> tuple[object, list[int], list[list[int]], list[list[int]]]:
     return target, aux, prompts, seqs
 
 
-def train_store(root):
-    """make_store under `root`, built on one thread (the CPU is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return make_store(root)
-    finally:
-        torch.set_num_threads(n)
-
-
-def metrics(path):
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-
-
 def check_resume_follows_the_same_curve(train, store, tmp_path, dtype: str) -> None:
     """Stopped after step 4 (last checkpoint at 3) and resumed: the same losses, accuracies, validations and
     weights as a run never stopped."""
@@ -94,7 +78,7 @@ def check_resume_follows_the_same_curve(train, store, tmp_path, dtype: str) -> N
     train(tmp_path / "full", store, **kw)
     assert train(tmp_path / "cut", store, stop_after=4, **kw)["stopped_at"] == 4
     train(tmp_path / "cut", store, resume=True, **kw)
-    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    full, cut = metric_rows(tmp_path / "full"), metric_rows(tmp_path / "cut")
     assert len(full) == len(cut) and any("val" in r for r in full)
     for a, b in zip(full, cut, strict=True):
         a, b = a.get("val", a), b.get("val", b)

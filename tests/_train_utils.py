@@ -99,6 +99,28 @@ class StoreRounded:
                           h.norm_offset, h.embed_scale)
 
 
+def train_store(root: Path) -> tuple[Path, Path, Path]:
+    """make_store under `root`, built on one thread (the CPU is shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return make_store(root)
+    finally:
+        torch.set_num_threads(n)
+
+
+def run_tiny_train(out: Path, store: Path | None, **kw) -> dict:
+    """`run_train` of a small EAGLE-3 draft (vocab 48, TTT 3, 256-token packs, a log row per step); `kw`
+    overrides any option, `stop_after=N` stops the run after N steps as a kill would."""
+    from eyas.recipes.train import TrainOptions, run_train
+
+    opts = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
+                save_every=0, lr=3e-3)
+    opts.update(kw)
+    stop_after = opts.pop("stop_after", 0)
+    return run_train(TrainOptions(out=out, store=store, **opts), log=lambda m: None, stop_after=stop_after)
+
+
 def metric_rows(out: Path) -> list[dict]:
     import json
 

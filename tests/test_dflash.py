@@ -11,8 +11,8 @@ import _packs
 import pytest
 import torch
 from _dflash_utils import capture, make_dflash, reference_block_logits, target_dist, train_dflash
-from _packs import V_D, H, V, make_pack, metrics, tiny_draft
-from _train_utils import AUX
+from _packs import V_D, H, V, make_pack, tiny_draft
+from _train_utils import AUX, metric_rows, train_store
 
 from eyas.engines.head import TargetHead
 from eyas.eval import evaluate_draft
@@ -168,7 +168,7 @@ def test_mask_token_defaults_to_an_id_never_trained():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return _packs.train_store(tmp_path_factory.mktemp("dflash_train"))
+    return train_store(tmp_path_factory.mktemp("dflash_train"))
 
 
 def train(out, store=None, **kw):
@@ -185,7 +185,7 @@ def test_dflash_training_learns_the_tiny_target(data, tmp_path):
     """200 steps: the loss falls and every block slot's accuracy rises well above where it started."""
     _, _, store = data
     result = train(tmp_path / "run", store, max_steps=200, log_every=20, warmup_ratio=0.05)
-    m = metrics(tmp_path / "run")
+    m = metric_rows(tmp_path / "run")
     first, last = m[0], m[-1]
     assert len(last["acc"]) == 3 and last["step"] == 200  # stats rows = block slots 1..3
     assert last["loss"] < 0.8 * first["loss"], (first, last)
@@ -208,7 +208,7 @@ def test_dflash_online_follows_offline_and_options_are_checked(data, tmp_path):
     train(tmp_path / "off", store, max_steps=2)
     train(tmp_path / "on", None, prepared=prepared, online=True, model=str(target), aux_layers=AUX,
           target_dtype="float32", max_steps=2)
-    for a, b in zip(metrics(tmp_path / "off"), metrics(tmp_path / "on"), strict=True):
+    for a, b in zip(metric_rows(tmp_path / "off"), metric_rows(tmp_path / "on"), strict=True):
         # stored states are bf16, online ones fp32: a flipped argmax moves a slot in or out of the (small) count
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 3e-2 and abs(a["acc"][0] - b["acc"][0]) < 0.1
     with pytest.raises(EyasError, match="reply-start-weight"):
@@ -237,7 +237,7 @@ def test_dflash_two_processes_match_one(data, tmp_path, mode):
     for cmd in runs.values():
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
-    one, two = metrics(tmp_path / "one"), metrics(tmp_path / mode)
+    one, two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / mode)
     assert len(one) == len(two) == 4 and "val" in two[-1]
     for x, y in zip(one, two, strict=True):
         x, y = x.get("val", x), y.get("val", y)

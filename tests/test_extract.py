@@ -119,6 +119,32 @@ def test_fp8_store_is_close_to_bf16(assets):
             assert ((x - y).norm() / y.norm()).item() < 4e-2
 
 
+def test_compiled_target_gives_the_eager_states(assets):
+    """--compile: each decoder layer torch.compiled; the states match eager to fp32 rounding, ragged
+    batches included, and the model leaves the engine uncompiled."""
+    root, ref = assets
+    ds = PreparedDataset(root / "prepared")
+    seqs = [ds[i]["input_ids"] for i in range(6)]  # ragged: a mask, and a different graph from ...
+    model = tf.LlamaForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+    eager = HFEngine(model, dtype="float32", device="cpu").capture_flat(seqs)
+    engine = HFEngine(model, dtype="float32", device="cpu", compile=True)
+    for batch in (seqs, [seqs[0], seqs[0]]):  # ... a batch of equal lengths, which has none
+        got = engine.capture_flat(batch)
+        want = eager if batch is seqs else HFEngine(model, dtype="float32", device="cpu").capture_flat(batch)
+        assert torch.allclose(got.aux, want.aux, atol=1e-5) and torch.allclose(got.final, want.final, atol=1e-5)
+        assert not torch.equal(got.aux, torch.zeros_like(got.aux))
+    engine.close()
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    out = run_extract(ExtractOptions(prepared=root / "prepared", out=root / "compiled", model=str(root / "model"),
+                                     compile=True, **OPTS))
+    a, b = HiddenStore(out), HiddenStore(ref)
+    for i in range(len(b)):
+        for key in ("aux_hidden", "final_hidden"):  # bf16 storage: at most one rounding step apart
+            assert torch.allclose(a[i][key].float(), b[i][key].float(), rtol=8e-3, atol=1e-5)
+    with pytest.raises(EyasError, match="--compile are for the hf engine"):
+        ExtractOptions(prepared=root / "prepared", out=root / "x", engine="vllm", compile=True)
+
+
 def test_cli_extract_and_verify(assets):
     root, ref = assets
     out = root / "cli"

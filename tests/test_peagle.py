@@ -11,8 +11,9 @@ import json
 import _packs
 import pytest
 import torch
-from _packs import V_D, V, make_pack, metrics, tiny_draft
+from _packs import V_D, V, make_pack, tiny_draft
 from _peagle_utils import capture, make_peagle, reference_parallel_logits, target_dist, train_peagle
+from _train_utils import metric_rows, train_store
 
 from eyas.engines.head import TargetHead
 from eyas.export import ServeOptions, export_draft
@@ -159,7 +160,7 @@ def test_config_and_registry(tmp_path):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return _packs.train_store(tmp_path_factory.mktemp("peagle_train"))
+    return train_store(tmp_path_factory.mktemp("peagle_train"))
 
 
 def train(out, store=None, **kw):
@@ -176,7 +177,7 @@ def test_peagle_training_learns_the_tiny_target(data, tmp_path):
     """150 steps: the loss falls and every depth's accuracy rises above where it started."""
     _, _, store = data
     result = train(tmp_path / "run", store, max_steps=150, log_every=15, warmup_ratio=0.05)
-    m = metrics(tmp_path / "run")
+    m = metric_rows(tmp_path / "run")
     first, last = m[0], m[-1]
     assert len(last["acc"]) == 3 and last["step"] == 150  # stats rows = depths 0..2
     assert last["loss"] < 0.8 * first["loss"], (first, last)

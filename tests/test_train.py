@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from _train_utils import AUX, first_reply_openings, make_store
+from _train_utils import AUX, first_reply_openings, metric_rows, run_tiny_train, train_store
 
 from eyas.engines.hf import HFEngine
 from eyas.model.checkpoints import import_draft
@@ -30,26 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return make_store(tmp_path_factory.mktemp("train"))
-    finally:
-        torch.set_num_threads(n)
-
-
-def metrics(path):
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-
-
-def train(out, store, **kw):
-    from eyas.recipes.train import TrainOptions, run_train
-
-    opts = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
-                save_every=0, lr=3e-3)
-    opts.update(kw)
-    stop_after = opts.pop("stop_after", 0)
-    return run_train(TrainOptions(out=out, store=store, **opts), log=lambda m: None, stop_after=stop_after)
+    return train_store(tmp_path_factory.mktemp("train"))
 
 
 def test_plan_packs_every_sample_once_and_splits_ranks():
@@ -162,8 +143,8 @@ def test_tiny_draft_learns_tiny_target(data, tmp_path):
         s = st[i]
         counts.update(head.logits(s["final_hidden"].float())[s["loss_mask"]].argmax(-1).tolist())
     majority = max(counts.values()) / sum(counts.values())
-    train(tmp_path / "run", store, max_steps=300, log_every=50, warmup_ratio=0.05)
-    m = metrics(tmp_path / "run")
+    run_tiny_train(tmp_path / "run", store, max_steps=300, log_every=50, warmup_ratio=0.05)
+    m = metric_rows(tmp_path / "run")
     first, last = m[0], m[-1]
     assert last["step"] == 300 and last["loss"] < 0.75 * first["loss"]
     assert last["acc"][0] > max(3 * majority, 10 / 48), (last["acc"], majority)
@@ -191,28 +172,29 @@ def test_held_out_samples_are_never_trained_on_and_measure_the_draft(data, tmp_p
         hold_out(len(lengths), 160, seed=0)
 
     # the trainer reads exactly the kept samples: one epoch trains on their tokens and no others
-    epoch = train(tmp_path / "epoch", store, epochs=1, val_samples=20, log_every=10)
+    epoch = run_tiny_train(tmp_path / "epoch", store, epochs=1, val_samples=20, log_every=10)
     assert epoch["tokens"] == int(np.asarray(lengths)[train_ids].sum()) < int(np.sum(lengths))
 
-    res = train(tmp_path / "run", store, max_steps=150, val_samples=20, val_every=50, log_every=10)
-    vals = [m for m in metrics(tmp_path / "run") if "val" in m]
+    res = run_tiny_train(tmp_path / "run", store, max_steps=150, val_samples=20, val_every=50, log_every=10)
+    vals = [m for m in metric_rows(tmp_path / "run") if "val" in m]
     assert [m["step"] for m in vals] == [50, 100, 150] and res["final"]["val"] == vals[-1]["val"]
     losses, acc0 = [v["val"]["loss"] for v in vals], [v["val"]["acc"][0] for v in vals]
     assert losses == sorted(losses, reverse=True) and acc0[-1] > 1.2 * acc0[0] and vals[-1]["val"]["valid_tokens"] > 0
     opening = vals[-1]["val"]["opening"]  # these replies are under 64 tokens long: their openings are all of them
     assert (opening["valid_tokens"], opening["acc"]) == (vals[-1]["val"]["valid_tokens"], vals[-1]["val"]["acc"])
     # the same weights (lr 0) on the same held-out samples: the same figure
-    again = train(tmp_path / "again", store, max_steps=1, lr=0.0, val_samples=20, init_draft=tmp_path / "run" / "draft")
+    again = run_tiny_train(tmp_path / "again", store, max_steps=1, lr=0.0, val_samples=20,
+                           init_draft=tmp_path / "run" / "draft")
     assert again["final"]["val"]["loss"] == pytest.approx(res["final"]["val"]["loss"], rel=1e-5)
 
     # OUT/draft-best keeps the weights of the best validation (held-out tau_sim, then loss): here a learning
     # rate far too high wrecks the trained draft step after step, so the best is not simply the last
-    wreck = train(tmp_path / "wreck", store, max_steps=4, lr=0.3, val_samples=20, val_every=1,
+    wreck = run_tiny_train(tmp_path / "wreck", store, max_steps=4, lr=0.3, val_samples=20, val_every=1,
                   init_draft=tmp_path / "run" / "draft")
-    vals = {m["step"]: m["val"] for m in metrics(tmp_path / "wreck") if "val" in m}
+    vals = {m["step"]: m["val"] for m in metric_rows(tmp_path / "wreck") if "val" in m}
     best = max(vals, key=lambda k: (vals[k]["tau_sim"], -vals[k]["loss"]))
     assert wreck["best"]["step"] == best and wreck["best"]["draft"] == "draft-best"
-    check = train(tmp_path / "check", store, max_steps=1, lr=0.0, val_samples=20,
+    check = run_tiny_train(tmp_path / "check", store, max_steps=1, lr=0.0, val_samples=20,
                   init_draft=tmp_path / "wreck" / "draft-best")
     assert check["final"]["val"]["loss"] == pytest.approx(vals[best]["loss"], rel=1e-5)
 
@@ -222,19 +204,19 @@ def test_hard_labels_change_the_loss_only_and_the_draft_learns(data, tmp_path):
     agreement with the target's argmax either way); the draft learns the argmax on one-hot labels;
     a checkpoint of the other labels is not resumed, and a negative temperature is refused."""
     _, _, store = data
-    soft = train(tmp_path / "soft", store, max_steps=2, save_every=2)
-    train(tmp_path / "hard", store, max_steps=300, log_every=50, warmup_ratio=0.05, label_temperature=0)
-    one = train(tmp_path / "hard1", store, max_steps=2, save_every=2, label_temperature=0)
+    soft = run_tiny_train(tmp_path / "soft", store, max_steps=2, save_every=2)
+    run_tiny_train(tmp_path / "hard", store, max_steps=300, log_every=50, warmup_ratio=0.05, label_temperature=0)
+    one = run_tiny_train(tmp_path / "hard1", store, max_steps=2, save_every=2, label_temperature=0)
     assert one["options_sha256"] != soft["options_sha256"]
-    ms, mh = metrics(tmp_path / "soft"), metrics(tmp_path / "hard1")
+    ms, mh = metric_rows(tmp_path / "soft"), metric_rows(tmp_path / "hard1")
     assert ms[0]["acc"] == mh[0]["acc"] and ms[0]["loss"] != mh[0]["loss"]
-    first, last = metrics(tmp_path / "hard")[0], metrics(tmp_path / "hard")[-1]
+    first, last = metric_rows(tmp_path / "hard")[0], metric_rows(tmp_path / "hard")[-1]
     assert last["step"] == 300 and last["loss"] < 0.75 * first["loss"], (first, last)
     assert min(last["acc"]) > 0.2 and last["tau_sim"] > 1.35, last  # chance is 1/48
     with pytest.raises(EyasError, match="other data or options"):
-        train(tmp_path / "hard1", store, max_steps=2, save_every=2, resume=True)
+        run_tiny_train(tmp_path / "hard1", store, max_steps=2, save_every=2, resume=True)
     with pytest.raises(EyasError, match="--label-temperature must be >= 0"):
-        train(tmp_path / "neg", store, label_temperature=-1)
+        run_tiny_train(tmp_path / "neg", store, label_temperature=-1)
 
 
 def test_reply_start_weight_changes_the_updates_not_the_metrics(data, tmp_path):
@@ -242,16 +224,17 @@ def test_reply_start_weight_changes_the_updates_not_the_metrics(data, tmp_path):
     cross-entropy and accuracy), the second does not (the first update differed); the two runs do
     not resume each other's checkpoints, and weights <= 0 are refused."""
     _, _, store = data
-    plain = train(tmp_path / "plain", store, max_steps=2, save_every=2)
-    early = train(tmp_path / "early", store, max_steps=2, save_every=2, reply_start_weight=4.0, reply_start_tokens=8)
+    plain = run_tiny_train(tmp_path / "plain", store, max_steps=2, save_every=2)
+    early = run_tiny_train(tmp_path / "early", store, max_steps=2, save_every=2, reply_start_weight=4.0,
+                           reply_start_tokens=8)
     assert early["options_sha256"] != plain["options_sha256"]
-    mp, me = metrics(tmp_path / "plain"), metrics(tmp_path / "early")
+    mp, me = metric_rows(tmp_path / "plain"), metric_rows(tmp_path / "early")
     assert (mp[0]["loss"], mp[0]["acc"]) == (me[0]["loss"], me[0]["acc"])
     assert mp[1]["loss"] != me[1]["loss"]
     with pytest.raises(EyasError, match="other data or options"):
-        train(tmp_path / "early", store, max_steps=2, save_every=2, resume=True)
+        run_tiny_train(tmp_path / "early", store, max_steps=2, save_every=2, resume=True)
     with pytest.raises(EyasError, match="--reply-start-weight must be > 0"):
-        train(tmp_path / "zero", store, reply_start_weight=0.0)
+        run_tiny_train(tmp_path / "zero", store, reply_start_weight=0.0)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -262,11 +245,11 @@ def test_resume_follows_the_same_loss_curve(data, tmp_path, dtype):
     _, _, store = data
     kw = dict(max_steps=9, save_every=4, dtype=dtype, num_workers=1, grad_accum=2,
               offload_embedding=dtype == "bf16")  # the GPU defaults: bf16 master weights, table on the host
-    train(tmp_path / "full", store, **kw)
-    stopped = train(tmp_path / "cut", store, stop_after=5, **kw)
-    assert stopped["stopped_at"] == 5 and len(metrics(tmp_path / "cut")) == 5
-    train(tmp_path / "cut", store, resume=True, **kw)
-    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    run_tiny_train(tmp_path / "full", store, **kw)
+    stopped = run_tiny_train(tmp_path / "cut", store, stop_after=5, **kw)
+    assert stopped["stopped_at"] == 5 and len(metric_rows(tmp_path / "cut")) == 5
+    run_tiny_train(tmp_path / "cut", store, resume=True, **kw)
+    full, cut = metric_rows(tmp_path / "full"), metric_rows(tmp_path / "cut")
     assert [m["step"] for m in cut] == list(range(1, 10))
     for a, b in zip(full, cut, strict=True):
         assert a["loss"] == b["loss"] and a["acc"] == b["acc"] and a["lr"] == b["lr"], (a["step"], a, b)
@@ -281,8 +264,8 @@ def test_max_time_stops_with_a_draft_and_resume_finishes_the_same_curve(data, tm
     but is not 'up to date'; --resume continues it to the uninterrupted run's losses and weights."""
     _, _, store = data
     kw = dict(max_steps=6, save_every=0, num_workers=1, log_every=2)
-    train(tmp_path / "full", store, **kw)
-    cut = train(tmp_path / "cut", store, max_time=1e-9, **kw)  # past the budget at the first log step
+    run_tiny_train(tmp_path / "full", store, **kw)
+    cut = run_tiny_train(tmp_path / "cut", store, max_time=1e-9, **kw)  # past the budget at the first log step
     assert not cut["complete"] and cut["steps"] == 2 and cut["total_steps"] == 6
     assert Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").config.draft_vocab_size == 48
     ckpt = tmp_path / "cut" / "train_state" / "step-00000002"
@@ -290,15 +273,15 @@ def test_max_time_stops_with_a_draft_and_resume_finishes_the_same_curve(data, tm
     w_ckpt = import_draft(ckpt).state_dict()
     w_draft = Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").state_dict()
     assert w_ckpt.keys() == w_draft.keys() and all(torch.equal(w_ckpt[k], w_draft[k]) for k in w_draft)
-    done = train(tmp_path / "cut", store, resume=True, **kw)
+    done = run_tiny_train(tmp_path / "cut", store, resume=True, **kw)
     assert done["complete"] and done["steps"] == 6
-    full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    full, resumed = metric_rows(tmp_path / "full"), metric_rows(tmp_path / "cut")
     assert [m["loss"] for m in full] == [m["loss"] for m in resumed] and len(full) == 3
     w_full = Eagle3Draft.from_pretrained(tmp_path / "full" / "draft").state_dict()
     w_cut = Eagle3Draft.from_pretrained(tmp_path / "cut" / "draft").state_dict()
     assert all(torch.equal(w_full[k], w_cut[k]) for k in w_full)
     with pytest.raises(EyasError, match="--max-time must be >= 0"):
-        train(tmp_path / "neg", store, max_time=-5, **kw)
+        run_tiny_train(tmp_path / "neg", store, max_time=-5, **kw)
     assert not (tmp_path / "neg").exists()
 
 
@@ -318,7 +301,7 @@ def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):
     draft = Eagle3Draft.from_pretrained(out / "draft")
     d2t, t2d = build_draft_vocab(PreparedDataset(prepared).token_counts(), 40)
     assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
-    rows = metrics(out)
+    rows = metric_rows(out)
     assert [m["step"] for m in rows] == [1, 2, 3] and len(rows[0]["acc"]) == 2
     assert {"loss", "step_loss", "acc", "tau_sim", "tok_per_s", "lr", "grad_norm"} <= set(rows[0])
     assert sorted(p.name for p in (out / "train_state").iterdir()) == ["step-00000002", "step-00000003"]
@@ -328,168 +311,6 @@ def test_cli_trains_writes_a_loadable_draft_and_reuses_it(data, tmp_path):
     assert bad.exit_code != 0 and "--online" in str(bad.exception or bad.output)
     bad = CliRunner().invoke(app, [*args, "--cuda-graph", "maybe"])  # a switch: --cuda-graph / --no-cuda-graph
     assert bad.exit_code == 2 and "maybe" in bad.output
-
-
-def test_init_draft_starts_from_its_weights_and_vocabulary(data, tmp_path):
-    """--init-draft: the run starts from the given draft (here in vLLM's layout), keeps its vocabulary
-    over --draft-vocab-size, and learns on from where it was; a draft of another shape is refused."""
-    import dataclasses
-
-    from eyas.export import ServeOptions, export_draft
-
-    target, _, store = data
-    train(tmp_path / "first", store, max_steps=40)
-    first = Eagle3Draft.from_pretrained(tmp_path / "first" / "draft")
-    export_draft(first, tmp_path / "vllm", "vllm", ServeOptions(verifier=str(target), dtype="float32"))
-    # lr 0: the optimizer moves nothing, so the written draft is the init draft itself
-    train(tmp_path / "frozen", store, max_steps=1, lr=0.0, init_draft=tmp_path / "vllm", draft_vocab_size=40)
-    frozen = Eagle3Draft.from_pretrained(tmp_path / "frozen" / "draft").state_dict()
-    assert all(torch.equal(v, frozen[k]) for k, v in first.state_dict().items())
-    # learning on: the first loss is the one the first run ended near, far below a fresh draft's
-    train(tmp_path / "more", store, max_steps=3, init_draft=tmp_path / "first" / "draft")
-    fresh, before, more = metrics(tmp_path / "first")[0], metrics(tmp_path / "first")[-1], metrics(tmp_path / "more")
-    assert more[0]["loss"] < 0.8 * fresh["loss"] and abs(more[0]["loss"] - before["loss"]) < 0.25 * before["loss"]
-    other = Eagle3Draft(dataclasses.replace(first.config, aux_layer_ids=[0, 1, 2]))
-    other.set_vocab(first.d2t, first.t2d)
-    other.save_pretrained(tmp_path / "other")
-    with pytest.raises(EyasError, match="does not fit this target.*aux_layer_ids \\[0, 1, 2\\]"):
-        train(tmp_path / "bad", store, max_steps=1, init_draft=tmp_path / "other")
-
-
-def test_init_head_starts_the_lm_head_as_the_targets_head(data, tmp_path):
-    """--init-head: before any update the draft's logits over its vocabulary are the target's own logits
-    of the same hidden state (the target's final norm folded into lm_head); the option changes the run's
-    fingerprint, and together with --init-draft it is refused."""
-    import dataclasses
-
-    from eyas.model.vocab import draft_to_target_ids
-
-    _, _, store = data
-    plain = train(tmp_path / "plain", store, max_steps=1, lr=0.0)
-    run = train(tmp_path / "head", store, max_steps=1, lr=0.0, init_head=True)
-    assert run["options_sha256"] != plain["options_sha256"]
-    draft = Eagle3Draft.from_pretrained(tmp_path / "head" / "draft")
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(64, draft.config.hidden_size, generator=g) * 3
-
-    def rel_err(head):
-        want = head.logits(h)[:, draft_to_target_ids(draft.d2t)]
-        return ((draft.logits(h) - want).norm() / want.norm()).item()
-
-    head = HiddenStore(store).target_head()
-    assert rel_err(head) < 1e-5
-    from_target = draft.lm_head.weight.clone()
-    draft.lm_head.weight.data = Eagle3Draft.from_pretrained(tmp_path / "plain" / "draft").lm_head.weight
-    assert rel_err(head) > 0.5
-    # a target whose final norm is not all ones, Gemma-style (1 + w): folded into lm_head, norm left at ones
-    gemma = dataclasses.replace(head, norm_weight=torch.rand(head.hidden_size, generator=g), norm_offset=1.0,
-                                lm_head=torch.randn(head.lm_head.shape, generator=g))
-    draft.init_lm_head_from_target(gemma.lm_head, gemma.norm_weight, gemma.norm_offset)
-    assert rel_err(gemma) < 1e-5 and rel_err(head) > 0.5 and not torch.equal(draft.lm_head.weight, from_target)
-    with pytest.raises(EyasError, match="--init-head starts a fresh draft"):
-        train(tmp_path / "both", store, max_steps=1, init_head=True, init_draft=tmp_path / "plain" / "draft")
-
-
-def test_draft_intermediate_size_widens_the_mlp_through_export(data, tmp_path):
-    """--draft-intermediate-size: the trained draft's MLP has that width, every export format says so and
-    imports back to it, and it learns; --init-draft of the target's width is refused by name."""
-    from eyas.export import ServeOptions, export_draft
-
-    target, _, store = data
-    narrow = Eagle3Draft.from_pretrained(_trained_narrow(tmp_path, store))
-    wide_size = 3 * narrow.config.intermediate_size
-    train(tmp_path / "wide", store, max_steps=40, draft_intermediate_size=wide_size)
-    wide = Eagle3Draft.from_pretrained(tmp_path / "wide" / "draft")
-    assert wide.config.intermediate_size == wide_size
-    assert wide.layers[0].mlp.gate_proj.weight.shape == (wide_size, wide.config.hidden_size)
-    rows = metrics(tmp_path / "wide")
-    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
-    for fmt in ("vllm", "speculators", "sglang"):
-        export_draft(wide, tmp_path / fmt, fmt, ServeOptions(verifier=str(target), dtype="float32"))
-        back = import_draft(tmp_path / fmt, target=str(target))
-        assert back.config.intermediate_size == wide_size
-        assert torch.equal(back.layers[0].mlp.down_proj.weight, wide.layers[0].mlp.down_proj.weight)
-    with pytest.raises(EyasError, match=f"intermediate_size {narrow.config.intermediate_size} "
-                                        f"\\(this run: {wide_size}\\)"):
-        train(tmp_path / "bad", store, max_steps=1, draft_intermediate_size=wide_size,
-              init_draft=tmp_path / "narrow" / "draft")
-    with pytest.raises(EyasError, match="--draft-intermediate-size must be >= 0"):
-        train(tmp_path / "neg", store, max_steps=1, draft_intermediate_size=-1)
-
-
-def test_draft_layers_trains_a_deeper_draft(data, tmp_path):
-    """--draft-layers 2: the draft gets a second (plain) decoder layer, learns, and a one-layer
-    --init-draft is refused by name; fewer than one layer is refused."""
-    _, _, store = data
-    train(tmp_path / "two", store, max_steps=40, draft_layers=2)
-    two = Eagle3Draft.from_pretrained(tmp_path / "two" / "draft")
-    assert two.config.num_hidden_layers == 2 and len(two.layers) == 2 and not two.layers[1].first
-    rows = metrics(tmp_path / "two")
-    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
-    one = _trained_narrow(tmp_path, store)
-    with pytest.raises(EyasError, match="num_hidden_layers 1 \\(this run: 2\\)"):
-        train(tmp_path / "bad", store, max_steps=1, draft_layers=2, init_draft=one)
-    with pytest.raises(EyasError, match="--draft-layers must be >= 1"):
-        train(tmp_path / "none", store, max_steps=1, draft_layers=0)
-
-
-def test_eagle31_switches_train_export_and_import(data, tmp_path):
-    """--fc-norm --norm-output: the draft carries one norm per aux layer and learns; vLLM and
-    speculators exports say so and import back to the same tensors; SGLang's is refused (releases
-    without the switches would drop them silently); a plain --init-draft is refused by name."""
-    from eyas.export import ServeOptions, export_draft
-
-    target, _, store = data
-    train(tmp_path / "e31", store, max_steps=40, fc_norm=True, norm_output=True)
-    draft = Eagle3Draft.from_pretrained(tmp_path / "e31" / "draft")
-    assert draft.config.fc_norm and draft.config.norm_output and len(draft.fc_norm) == 3
-    assert any(not torch.equal(n.weight, torch.ones_like(n.weight)) for n in draft.fc_norm)  # trained
-    rows = metrics(tmp_path / "e31")
-    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
-    for fmt in ("vllm", "speculators"):
-        export_draft(draft, tmp_path / fmt, fmt, ServeOptions(verifier=str(target), dtype="float32"))
-        config = json.loads((tmp_path / fmt / "config.json").read_text())
-        assert config["fc_norm"] is True and config["norm_output"] is True
-        back = import_draft(tmp_path / fmt, target=str(target))
-        assert back.config.fc_norm and back.config.norm_output
-        assert all(torch.equal(a.weight, b.weight) for a, b in zip(back.fc_norm, draft.fc_norm, strict=True))
-    # a config that says fc_norm without the tensors is refused by name, not loaded with norms of 1
-    from safetensors.torch import load_file, save_file
-
-    weights = tmp_path / "vllm" / "model.safetensors"
-    save_file({k: v for k, v in load_file(str(weights)).items() if not k.startswith("fc_norm.")}, str(weights))
-    with pytest.raises(EyasError, match="missing fc_norm.0.weight"):
-        import_draft(tmp_path / "vllm", target=str(target))
-    with pytest.raises(EyasError, match="EAGLE-3.1 draft.*Export --format vllm or speculators"):
-        export_draft(draft, tmp_path / "sglang", "sglang", ServeOptions(verifier=str(target)))
-    with pytest.raises(EyasError, match="fc_norm False \\(this run: True\\)"):
-        train(tmp_path / "bad", store, max_steps=1, fc_norm=True, init_draft=_trained_narrow(tmp_path, store))
-
-
-def test_offline_training_on_some_of_the_stores_layers(data, tmp_path):
-    """--aux-layers offline: the draft is built for, and fed, the chosen layers of the store: the very
-    states the target gives an online run capturing only those layers (to bf16 rounding); it learns,
-    and a layer the store lacks is refused by name."""
-    target, prepared, store = data
-    packs = Plan(HiddenStore(store).lengths, 256, 0, 1, 1).packs(0)[:1]
-    off = PackDataset(SampleSource(store, "store", [1, 4]), packs, 256, None, states=True)[0]
-    engine = HFEngine(str(target), aux_layer_ids=[1, 4], dtype="float32", device="cpu")
-    on = fill_states(PackDataset(SampleSource(prepared, "prepared"), packs, 256, None, states=False)[0], engine)
-    assert off["aux_hidden"].shape == on["aux_hidden"].shape == (off["num_tokens"], 2 * 32)
-    err = (off["aux_hidden"].float() - on["aux_hidden"]).norm() / on["aux_hidden"].norm()
-    assert err.item() < 1e-2, err  # bf16 rounding only: the wrong layer would be ~100%
-    train(tmp_path / "two", store, max_steps=40, aux_layers=[1, 4])
-    two = Eagle3Draft.from_pretrained(tmp_path / "two" / "draft")
-    assert two.config.aux_layer_ids == [1, 4] and two.fc.weight.shape == (32, 2 * 32)
-    rows = metrics(tmp_path / "two")
-    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
-    with pytest.raises(EyasError, match=r"holds aux layers \[1, 3, 4\], not \[2\]"):
-        train(tmp_path / "bad", store, max_steps=1, aux_layers=[1, 2])
-
-
-def _trained_narrow(tmp_path, store):
-    train(tmp_path / "narrow", store, max_steps=1)
-    return tmp_path / "narrow" / "draft"
 
 
 def test_the_first_steps_start_up_is_reported_and_kept_out_of_the_rate(data, tmp_path, monkeypatch):
@@ -504,7 +325,7 @@ def test_the_first_steps_start_up_is_reported_and_kept_out_of_the_rate(data, tmp
     run_train(TrainOptions(out=tmp_path / "run", store=store, draft_vocab_size=48, ttt_steps=2, token_budget=256,
                            num_workers=0, report_to="none", log_every=1, save_every=0, max_steps=3), log=lines.append)
     assert sum("first step done after" in line for line in lines) == 1, lines
-    rows = metrics(tmp_path / "run")
+    rows = metric_rows(tmp_path / "run")
     assert [m["step"] for m in rows] == [1, 2, 3] and all(m["tok_per_s"] > 0 for m in rows)
 
 
@@ -518,7 +339,7 @@ def test_online_training_follows_the_offline_curve(data, tmp_path):
     off_run = run_train(TrainOptions(out=tmp_path / "off", store=store, val_samples=12, **kw), log=lambda m: None)
     on_run = run_train(TrainOptions(out=tmp_path / "on", prepared=prepared, online=True, model=str(target),
                                     aux_layers=AUX, target_dtype="float32", val_samples=12, **kw), log=lambda m: None)
-    off, on = metrics(tmp_path / "off"), metrics(tmp_path / "on")
+    off, on = metric_rows(tmp_path / "off"), metric_rows(tmp_path / "on")
     assert [m["step"] for m in on] == [1, 2, 3, 3] and "val" in on[-1]  # the held-out samples, measured at the end
     for a, b in zip(off, on, strict=True):  # stored states are bf16, online ones fp32: close, not equal
         a, b = a.get("val", a), b.get("val", b)
@@ -551,7 +372,7 @@ def test_scale_and_clip_matches_torch_clipping_of_scaled_gradients(max_norm):
 def test_cuda_graph_asked_where_it_cannot_run_says_so_and_trains(data, tmp_path):
     _, _, store = data
     with pytest.warns(UserWarning, match="training without CUDA graphs"):
-        res = train(tmp_path / "g", store, max_steps=2, cuda_graph=True)
+        res = run_tiny_train(tmp_path / "g", store, max_steps=2, cuda_graph=True)
     assert res["complete"] and res["steps"] == 2
 
 

@@ -102,7 +102,10 @@ class HFEngine(TargetEngine):
         device_map: str | None = None,
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
+        compile: bool = False,
     ) -> None:
+        if compile and device_map is not None:
+            raise EyasError("--compile runs the target on one device; drop --device-map (or --compile)")
         dev = resolve_device(device)
         self.dtype = resolve_dtype(dtype, dev)
         if isinstance(model, nn.Module):
@@ -141,6 +144,17 @@ class HFEngine(TargetEngine):
             self._hooks.append(self.norm.register_forward_pre_hook(self._final_pre_hook))
         else:  # no final norm found: take the last layer's output (the forward then runs to the end)
             self._hooks.append(last.register_forward_hook(self._final_post_hook))
+        if compile:
+            self._compile_layers()
+
+    def _compile_layers(self) -> None:
+        """torch.compile each decoder layer's forward, so its norms, rotary and activation fuse.
+
+        Per layer and not the whole decoder: the capture hooks (and the stop at the final norm) stay eager,
+        and all layers share one compiled graph, built once for any batch shape (and once
+        more for ragged batches, which carry a mask)."""
+        for layer in self.layers[: self.num_layers]:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _keep(self, key: Any, h: torch.Tensor) -> None:
@@ -265,6 +279,8 @@ class HFEngine(TargetEngine):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for layer in self.layers:  # a model handed in leaves as it came
+            layer.__dict__.pop("forward", None)
 
 
 def _probe_norm_offset(norm: nn.Module, eps: float) -> float:

@@ -241,6 +241,8 @@ class ExtractOptions:
     verify: bool = option(False, help="Check every shard's sha256 against the manifest (alone, with just --out, or "
                           "after extracting).")
     fp8: bool = option(False, help="Store float8_e4m3fn with per-token scales (half the disk).")
+    compile: bool = option(False, help="torch.compile the target's decoder layers (hf engine): fused norms, rotary "
+                           "and activations, after a one-off compile per new shape.")
     tp: int = option(1, help="Tensor-parallel GPUs (vllm engine).")
     device: str = option("auto", help="auto (this rank's GPU, else CPU), cpu, cuda:N.")
     device_map: str | None = option(None, help="`auto` spreads a large target over this node's GPUs (hf engine).",
@@ -254,8 +256,9 @@ class ExtractOptions:
     def __post_init__(self) -> None:
         if self.token_budget < 0 or self.max_samples < 0 or self.tp < 1 or self.shard_mb <= 0:
             raise EyasError("--token-budget and --max-samples must be >= 0, --tp >= 1 and --shard-mb > 0")
-        if self.device_map is not None and self.engine != "hf":
-            raise EyasError("--device-map is for the hf engine; the vllm engine spreads a target with --tp")
+        if (self.device_map is not None or self.compile) and self.engine != "hf":
+            raise EyasError("--device-map and --compile are for the hf engine; vLLM spreads a target with --tp "
+                            "and compiles it itself")
 
 
 def run_extract(opts: ExtractOptions, *, dataset: Any = None, engine_obj: TargetEngine | None = None,
@@ -355,7 +358,7 @@ def _load_engine(opts: ExtractOptions, aux_layer_ids: list[int]) -> TargetEngine
 
     kw: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
     if opts.engine == "hf":
-        kw["device_map"] = opts.device_map
+        kw.update(device_map=opts.device_map, compile=opts.compile)
     return load_engine(opts.engine, resolve_model(opts.model), aux_layer_ids=aux_layer_ids, dtype=opts.dtype,
                        device=opts.device, tp=opts.tp, **kw)
 

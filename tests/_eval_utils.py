@@ -1,0 +1,82 @@
+"""Shared by the eval tests: a tiny real Llama target, EAGLE-3 drafts for it, and a plain training-time-test
+loop that trains them in seconds."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eyas.model.attention import TTTAttention
+from eyas.model.config import DraftConfig
+from eyas.model.draft import Eagle3Draft
+from eyas.model.vocab import build_draft_vocab
+
+# -- helpers: a tiny real Llama target and a quick EAGLE-3 training loop (training-time test, 3 steps) --------
+
+
+def tiny_target(vocab: int = 64, seed: int = 0, layers: int = 4, init: float = 0.1) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0, layers: int = 1,
+               eagle31: bool = False) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    cfg = DraftConfig.from_target_config(target.config, aux_ids, draft_vocab_size=draft_vocab)
+    cfg.num_hidden_layers = layers
+    cfg.fc_norm = cfg.norm_output = eagle31
+    draft = Eagle3Draft(cfg)
+    draft.load_target_embedding(target.get_input_embeddings().weight.detach())
+    counts = torch.zeros(cfg.vocab_size, dtype=torch.long)  # no data: the first ids
+    if seqs is not None:
+        counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=cfg.vocab_size)
+    draft.set_vocab(*build_draft_vocab(counts, cfg.draft_vocab_size))
+    return draft.eval()
+
+
+@torch.no_grad()
+def capture(target, seqs, aux_ids):
+    """(ids [T], aux [T, k*H], target argmax [T]) per sequence, via output_hidden_states
+    (independent of eval's hooks)."""
+    out = []
+    for s in seqs:
+        o = target(torch.tensor([s]), output_hidden_states=True)
+        out.append((torch.tensor(s), torch.cat([o.hidden_states[i][0] for i in aux_ids], -1), o.logits[0].argmax(-1)))
+    return out
+
+
+def train_draft(draft: Eagle3Draft, data, steps: int, ttt: int = 3, lr: float = 3e-3) -> float:
+    """EAGLE-3 training-time test in its plainest form: row t reads token t+1 and the target's state at t
+    and learns the target's next token; step j feeds the draft its own output at position t+j."""
+    t2d = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+    t2d[draft.d2t + torch.arange(draft.d2t.numel())] = torch.arange(draft.d2t.numel())
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    draft.train()
+    loss = torch.zeros(())
+    for step in range(steps):
+        ids, aux, tgt = data[step % len(data)]
+        T = ids.numel()
+        attn, hidden, loss = TTTAttention("math"), draft.fuse(aux[None]), torch.zeros(())
+        for j in range(ttt):
+            tok = torch.zeros(T, dtype=torch.long)
+            tok[: T - 1 - j] = ids[1 + j:]
+            lab = torch.full((T,), -1, dtype=torch.long)
+            lab[: T - 1 - j] = t2d[tgt[1 + j:]]
+            hidden = draft(tok[None], hidden, (torch.arange(T) + j)[None], attn)
+            loss = loss + 0.8**j * F.cross_entropy(draft.logits(hidden)[0], lab, ignore_index=-1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft.eval()
+    return float(loss.detach())
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
