@@ -130,12 +130,17 @@ def draft_config(target_config: Any, draft_vocab: int) -> Any:
     from transformers import LlamaConfig
 
     c = target_config
-    return LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                       num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                       head_dim=c.hidden_size // c.num_attention_heads, vocab_size=c.vocab_size,
-                       draft_vocab_size=draft_vocab, target_hidden_size=c.hidden_size, num_hidden_layers=1,
-                       rope_theta=getattr(c, "rope_theta", 10000.0), max_position_embeddings=c.max_position_embeddings,
-                       rms_norm_eps=c.rms_norm_eps, hidden_act="silu", pad_token_id=0, tie_word_embeddings=False)
+    theta = float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 1e4)))
+    cfg = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      head_dim=c.hidden_size // c.num_attention_heads, vocab_size=c.vocab_size,
+                      draft_vocab_size=draft_vocab, target_hidden_size=c.hidden_size, num_hidden_layers=1,
+                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                      hidden_act="silu", pad_token_id=0, tie_word_embeddings=False)
+    # That tree was written for transformers 4, where plain rotary meant `rope_scaling` None; transformers 5
+    # fills it with {"rope_type": "default"}, which the tree refuses. Plain rotary at the target's theta:
+    cfg.rope_scaling, cfg.rope_theta = None, theta
+    return cfg
 
 
 def build_step(api: Any, target: torch.nn.Module, aux_ids: list[int], d2t: torch.Tensor, t2d: torch.Tensor,
