@@ -15,7 +15,7 @@ the same target module and the same draft trainer:
    CUDA stream of its own capturing with the hf engine, a bounded queue of --prefetch steps, token
    batches read by DataLoader workers from a prepared dataset) feeding the same Trainer.
    Goal: >= 0.9x serial;
-3. peer (--peer-src): SpecForge's in-process online loop (benchmarks/specforge_online_peer.py: its HF
+3. peer (--peer-src): SpecForge's in-process online loop (benchmarks/specforge_legacy_peer.py: its HF
    target backend with full-vocabulary logits, OnlineEagle3Model under FSDP, BF16Optimizer) on the same
    target and batches. Goal: eyas online >= 2x its tok/s.
 
@@ -142,7 +142,7 @@ def online(engine: HFEngine, trainer: Trainer, prepared: Path, args, dev: torch.
 def peer(path: str, engine: HFEngine, vocab: tuple[torch.Tensor, torch.Tensor], rows: list[dict], args,
          dev: torch.device) -> str | float:
     """SpecForge's online loop on the same target, rows and draft vocabulary: tok/s, or why it could not run."""
-    import specforge_online_peer as sf
+    import specforge_legacy_peer as sf
 
     if dev.type != "cuda":
         return "not run: its loop wraps the draft in FSDP and needs a GPU"

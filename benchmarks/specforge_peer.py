@@ -2,9 +2,11 @@
 benchmarks/train.py (`--peer-src [LABEL=]PATH`, repeatable).
 
 PATH holds the `specforge` package: a checkout of sgl-project/SpecForge, or its wheel unzipped
-(`pip download --no-deps specforge==0.2.0`, then `python3 -m zipfile -e WHEEL PATH`). No SpecForge
-code lives in eyas: one version at a time is imported from PATH and driven through its own API, as
-its trainer assembles an offline EAGLE-3 run on one GPU:
+(`pip download --no-deps specforge==0.2.0`, then `python3 -m zipfile -e WHEEL PATH`). A tree of the older
+layout (up to the v0.2.0 tag, 73e6f808: no `specforge/algorithms/`) is driven as its own script trains
+offline, by benchmarks/specforge_legacy_peer.py. No SpecForge code lives in eyas: one version at a time is
+imported from PATH and driven through its own API, as its trainer assembles an offline EAGLE-3 run on
+one GPU:
 
   draft    specforge.modeling.auto.AutoDraftModel.from_config(LlamaConfig, attention_backend,
            torch_dtype), i.e. its LlamaForCausalLMEagle3; embedding frozen; eyas' draft vocabulary
@@ -47,6 +49,9 @@ from typing import Any, NamedTuple
 
 import torch
 import torch._dynamo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import specforge_legacy_peer  # noqa: E402
 
 # what the step needs, by the name this module uses -> (peer module, attribute)
 API = {
@@ -125,6 +130,15 @@ class SpecForge:
     def imported(self, dev: torch.device):
         if not (self.path / "specforge" / "__init__.py").is_file():
             raise PeerUnusable(f"{self.path} holds no specforge package")
+        if self.legacy:
+            with specforge_legacy_peer.imported(self.path) as api:
+                self.api, self.has_compact = api, False
+                try:
+                    yield self
+                finally:
+                    self.api = None
+                    torch._dynamo.reset()
+            return
         _forget_specforge()
         sys.path.insert(0, str(self.path))
         try:
@@ -139,6 +153,12 @@ class SpecForge:
             self.api = None
             torch._dynamo.reset()  # its compiled helpers belong to modules just forgotten
 
+    @property
+    def legacy(self) -> bool:
+        """A tree up to the v0.2.0 tag (no algorithms/ package): driven by benchmarks/specforge_legacy_peer.py."""
+        return not (self.path / "specforge" / "algorithms").is_dir() and \
+            (self.path / "specforge" / "core" / "eagle3.py").is_file()
+
     def build_step(self, shape: Any, variant: str, inputs: PeerInputs, dev: torch.device, ttt: int,
                    wrap: str) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
         """The peer's optimizer step over `inputs`, and how to tell its result trained (a finite loss)."""
@@ -147,6 +167,14 @@ class SpecForge:
             raise PeerUnusable("this version has no compact teacher")
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         config = _draft_config(shape)
+        if self.legacy:
+            if dev.type != "cuda":
+                raise PeerUnusable("a tree up to the v0.2.0 tag trains through its Triton loss: it needs a GPU")
+            config = specforge_legacy_peer.plain_rotary(config, shape.rope_theta)
+            step = specforge_legacy_peer.build_offline_step(
+                api, config, inputs.batches, inputs.lm_head.to(dev), inputs.d2t.to(dev), inputs.t2d.to(dev), ttt,
+                attention, wrap=wrap == "fsdp")
+            return step, lambda loss: math.isfinite(float(loss))
         with torch.device(dev):
             draft = api.AutoDraftModel.from_config(config, attention_backend=attention, torch_dtype=dtype)
             head = _target_head(api, config, inputs.lm_head, dtype)
