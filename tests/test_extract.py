@@ -145,6 +145,27 @@ def test_compiled_target_gives_the_eager_states(assets):
         ExtractOptions(prepared=root / "prepared", out=root / "x", engine="vllm", compile=True)
 
 
+def test_a_target_that_does_not_compile_runs_uncompiled_with_a_warning(assets, monkeypatch):
+    """A compile that fails (here: a backend that raises when the compiled layer first runs) costs a warning,
+    not the run: the engine puts the eager layers back and captures the same states."""
+    root, _ = assets
+    model = tf.LlamaForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+    seqs = [PreparedDataset(root / "prepared")[i]["input_ids"] for i in range(4)]
+    eager = HFEngine(model, dtype="float32", device="cpu").capture_flat(seqs)
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("this backend cannot lower the layer")
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=broken_backend))
+    engine = HFEngine(model, dtype="float32", device="cpu", compile=True)
+    with pytest.warns(UserWarning, match="torch.compile failed .* running them uncompiled"):
+        got = engine.capture_flat(seqs)
+    assert torch.equal(got.aux, eager.aux) and torch.equal(got.final, eager.final)
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    assert torch.equal(engine.capture_flat(seqs).aux, eager.aux)  # and stays uncompiled, without a warning
+
+
 def test_cli_extract_and_verify(assets):
     root, ref = assets
     out = root / "cli"

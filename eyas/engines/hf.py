@@ -144,6 +144,7 @@ class HFEngine(TargetEngine):
             self._hooks.append(self.norm.register_forward_pre_hook(self._final_pre_hook))
         else:  # no final norm found: take the last layer's output (the forward then runs to the end)
             self._hooks.append(last.register_forward_hook(self._final_post_hook))
+        self._compiled = False
         if compile:
             self._compile_layers()
 
@@ -155,6 +156,12 @@ class HFEngine(TargetEngine):
         more for ragged batches, which carry a mask)."""
         for layer in self.layers[: self.num_layers]:
             layer.forward = torch.compile(layer.forward, dynamic=True)
+        self._compiled = True
+
+    def _uncompile(self) -> None:
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+        self._compiled = False
 
     # ---- hooks ------------------------------------------------------------------------------
     def _keep(self, key: Any, h: torch.Tensor) -> None:
@@ -213,11 +220,24 @@ class HFEngine(TargetEngine):
 
     def _hooked(self, forward: nn.Module, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [N, k*H], final [N, H]) of one forward with the hooks on; `self._rows` picks the rows."""
-        self._stash, self._active = {}, True
+        rows, self._stash, self._active = self._rows, {}, True
         try:
             forward(**inputs, use_cache=False)
         except _StopForward:
             pass
+        except (torch.OutOfMemoryError, EyasError):
+            raise
+        except Exception as e:
+            if not self._compiled:
+                raise
+            import warnings
+
+            why = " ".join(str(e).split())[:160]
+            warnings.warn(f"torch.compile failed on {self.model_name}'s decoder layers ({type(e).__name__}: {why}); "
+                          "running them uncompiled (--no-compile skips the attempt)", stacklevel=2)
+            self._uncompile()
+            self._rows = rows
+            return self._hooked(forward, **inputs)
         finally:
             self._active, self._rows = False, None
         stash, self._stash = self._stash, {}
@@ -279,8 +299,7 @@ class HFEngine(TargetEngine):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for layer in self.layers:  # a model handed in leaves as it came
-            layer.__dict__.pop("forward", None)
+        self._uncompile()  # a model handed in leaves as it came
 
 
 def _probe_norm_offset(norm: nn.Module, eps: float) -> float:

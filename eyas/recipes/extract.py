@@ -241,8 +241,9 @@ class ExtractOptions:
     verify: bool = option(False, help="Check every shard's sha256 against the manifest (alone, with just --out, or "
                           "after extracting).")
     fp8: bool = option(False, help="Store float8_e4m3fn with per-token scales (half the disk).")
-    compile: bool = option(False, help="torch.compile the target's decoder layers (hf engine): fused norms, rotary "
-                           "and activations, after a one-off compile per new shape.")
+    compile: bool | None = option(None, show_default="on for a GPU target on one device", help="torch.compile the "
+                                  "target's decoder layers (hf engine): fused norms, rotary and activations, after a "
+                                  "one-off compile. A target that does not compile runs uncompiled, with a warning.")
     tp: int = option(1, help="Tensor-parallel GPUs (vllm engine).")
     device: str = option("auto", help="auto (this rank's GPU, else CPU), cpu, cuda:N.")
     device_map: str | None = option(None, help="`auto` spreads a large target over this node's GPUs (hf engine).",
@@ -256,7 +257,7 @@ class ExtractOptions:
     def __post_init__(self) -> None:
         if self.token_budget < 0 or self.max_samples < 0 or self.tp < 1 or self.shard_mb <= 0:
             raise EyasError("--token-budget and --max-samples must be >= 0, --tp >= 1 and --shard-mb > 0")
-        if (self.device_map is not None or self.compile) and self.engine != "hf":
+        if (self.device_map is not None or self.compile is True) and self.engine != "hf":
             raise EyasError("--device-map and --compile are for the hf engine; vLLM spreads a target with --tp "
                             "and compiles it itself")
 
@@ -355,10 +356,14 @@ def plan_store(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | No
 def _load_engine(opts: ExtractOptions, aux_layer_ids: list[int]) -> TargetEngine:
     from eyas.assets import resolve_model
     from eyas.engines import load_engine
+    from eyas.utils.devices import resolve_device
 
     kw: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
     if opts.engine == "hf":
-        kw.update(device_map=opts.device_map, compile=opts.compile)
+        compiled = opts.compile
+        if compiled is None:  # worth it where kernels are fast enough for the fusing to show: a GPU
+            compiled = opts.device_map is None and resolve_device(opts.device).type == "cuda"
+        kw.update(device_map=opts.device_map, compile=compiled)
     return load_engine(opts.engine, resolve_model(opts.model), aux_layer_ids=aux_layer_ids, dtype=opts.dtype,
                        device=opts.device, tp=opts.tp, **kw)
 
