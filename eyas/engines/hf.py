@@ -152,8 +152,8 @@ class HFEngine(TargetEngine):
         """torch.compile each decoder layer's forward, so its norms, rotary and activation fuse.
 
         Per layer and not the whole decoder: the capture hooks (and the stop at the final norm) stay eager,
-        and all layers share one compiled graph, built once for any batch shape (and once
-        more for ragged batches, which carry a mask)."""
+        and all layers share the compiled graphs: one for a batch of one, one for any larger batch, one more
+        for ragged batches (they carry a mask)."""
         for layer in self.layers[: self.num_layers]:
             layer.forward = torch.compile(layer.forward, dynamic=True)
         self._compiled = True
