@@ -99,7 +99,8 @@ class _AbsentSglang(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _forget(prefix: str) -> None:
+def forget(prefix: str) -> None:
+    """Drop `prefix` and its submodules from sys.modules: the next import reads them from the next tree."""
     for name in [n for n in sys.modules if n == prefix or n.startswith(prefix + ".")]:
         del sys.modules[name]
 
@@ -110,7 +111,7 @@ def imported(path: Path):
     if not (path / "specforge" / "__init__.py").is_file():
         raise PeerUnusable(f"{path} holds no specforge package")
     stand_in = _AbsentSglang() if importlib.util.find_spec("sglang") is None else None
-    _forget("specforge")
+    forget("specforge")
     sys.path.insert(0, str(path))
     if stand_in is not None:
         sys.meta_path.insert(0, stand_in)
@@ -127,8 +128,8 @@ def imported(path: Path):
         sys.path.remove(str(path))
         if stand_in is not None:
             sys.meta_path.remove(stand_in)
-            _forget("sglang")
-        _forget("specforge")
+            forget("sglang")
+        forget("specforge")
 
 
 def draft_config(target_config: Any, draft_vocab: int) -> Any:

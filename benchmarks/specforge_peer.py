@@ -69,8 +69,7 @@ API = {
 BACKENDS = {"flex": "flex_attention", "sdpa": "sdpa"}
 
 
-class PeerUnusable(Exception):
-    """Why a peer version cannot be driven, in one line."""
+PeerUnusable = specforge_legacy_peer.PeerUnusable  # why a peer version cannot be driven, in one line
 
 
 class PeerInputs(NamedTuple):
@@ -139,7 +138,7 @@ class SpecForge:
                     self.api = None
                     torch._dynamo.reset()
             return
-        _forget_specforge()
+        specforge_legacy_peer.forget("specforge")
         sys.path.insert(0, str(self.path))
         try:
             self.api = _import_api(cpu=dev.type != "cuda")
@@ -149,7 +148,7 @@ class SpecForge:
             yield self
         finally:
             sys.path.remove(str(self.path))
-            _forget_specforge()
+            specforge_legacy_peer.forget("specforge")
             self.api = None
             torch._dynamo.reset()  # its compiled helpers belong to modules just forgotten
 
@@ -234,11 +233,6 @@ def _target_head(api: types.SimpleNamespace, config: Any, lm_head: torch.Tensor,
         head.fc.weight.copy_(lm_head)
     head.freeze_weights()
     return head.eval().to(dtype=dtype)
-
-
-def _forget_specforge() -> None:
-    for name in [n for n in sys.modules if n == "specforge" or n.startswith("specforge.")]:
-        del sys.modules[name]
 
 
 def _import_api(cpu: bool) -> types.SimpleNamespace:
