@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eyas.eval import HFTarget, target_generate
 from eyas.model.attention import TTTAttention
 from eyas.model.config import DraftConfig
 from eyas.model.draft import Eagle3Draft
@@ -22,6 +23,20 @@ def tiny_target(vocab: int = 64, seed: int = 0, layers: int = 4, init: float = 0
                       initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg).eval()
+
+
+def target_and_continuations(prompt_ids: int = 64) -> tuple[LlamaForCausalLM, list[int], list[list[int]],
+                                                             list[list[int]]]:
+    """tiny_target(), its aux layers [1, 2, 3], 6 prompts of 8 ids below `prompt_ids`, and each prompt followed by
+    the target's greedy continuation (40 tokens): what the decoding tests train their drafts on."""
+    target = tiny_target()
+    aux = [1, 2, 3]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, prompt_ids, (8,), generator=g).tolist() for _ in range(6)]
+    wrapped = HFTarget(target, aux)
+    seqs = [p + target_generate(wrapped, p, 40).tokens for p in prompts]
+    wrapped.close()
+    return target, aux, prompts, seqs
 
 
 def make_draft(target, aux_ids, draft_vocab: int, seqs=None, seed: int = 0, layers: int = 1,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _draft_utils import capture
-from _eval_utils import tiny_target as tiny_llama
+from _eval_utils import target_and_continuations
 from _train_utils import metric_rows
 
 from eyas.engines.head import TargetHead
-from eyas.eval import ChainSpec, HFTarget, SpeculativeDecoder, TreeSpec, evaluate_draft, target_generate
+from eyas.eval import ChainSpec, HFTarget, SpeculativeDecoder, TreeSpec, evaluate_draft
 from eyas.model.config import DraftConfig
 from eyas.model.draft import DraftModel
 from eyas.model.families import load_draft
@@ -58,16 +58,9 @@ def tiny_draft(cls: type[DraftModel], family: str, layers: int, seed: int, head_
 
 
 def tiny_target() -> tuple[object, list[int], list[list[int]], list[list[int]]]:
-    """A tiny Llama target (vocab 64), its aux layers, 6 prompts and its greedy continuations of them (40
-    tokens): what the decoding tests train their drafts on."""
-    target = tiny_llama()  # the EAGLE-3 decoding tests' target
-    aux = [1, 2, 3]
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 63, (8,), generator=g).tolist() for _ in range(6)]
-    wrapped = HFTarget(target, aux)
-    seqs = [p + target_generate(wrapped, p, 40).tokens for p in prompts]
-    wrapped.close()
-    return target, aux, prompts, seqs
+    """The EAGLE-3 decoding tests' target, aux layers, prompts (ids below 63: 63 is the mask token) and greedy
+    continuations: what the one-forward drafters' decoding tests train on."""
+    return target_and_continuations(prompt_ids=63)
 
 
 def check_resume_follows_the_same_curve(train, store, tmp_path, dtype: str) -> None:

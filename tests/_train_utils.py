@@ -109,16 +109,22 @@ def train_store(root: Path) -> tuple[Path, Path, Path]:
         torch.set_num_threads(n)
 
 
-def run_tiny_train(out: Path, store: Path | None, **kw) -> dict:
-    """`run_train` of a small EAGLE-3 draft (vocab 48, TTT 3, 256-token packs, a log row per step); `kw`
-    overrides any option, `stop_after=N` stops the run after N steps as a kill would."""
+TINY_EAGLE3 = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
+                   save_every=0, lr=3e-3)  # a small EAGLE-3 draft: vocab 48, TTT 3, 256-token packs, a row per step
+
+
+def train_quietly(out: Path, engine=None, **opts) -> dict:
+    """`run_train` of TrainOptions(out=out, **opts), its log dropped; `stop_after=N` stops the run after N steps
+    as a kill would; `engine` is the target engine of an online run (else the run loads its own)."""
     from eyas.recipes.train import TrainOptions, run_train
 
-    opts = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
-                save_every=0, lr=3e-3)
-    opts.update(kw)
     stop_after = opts.pop("stop_after", 0)
-    return run_train(TrainOptions(out=out, store=store, **opts), log=lambda m: None, stop_after=stop_after)
+    return run_train(TrainOptions(out=out, **opts), engine=engine, log=lambda m: None, stop_after=stop_after)
+
+
+def run_tiny_train(out: Path, store: Path | None, **kw) -> dict:
+    """train_quietly with TINY_EAGLE3's options, `kw` overriding any of them."""
+    return train_quietly(out, store=store, **{**TINY_EAGLE3, **kw})
 
 
 def metric_rows(out: Path) -> list[dict]:

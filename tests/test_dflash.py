@@ -12,7 +12,7 @@ import pytest
 import torch
 from _dflash_utils import capture, make_dflash, reference_block_logits, target_dist, train_dflash
 from _packs import V_D, H, V, make_pack, tiny_draft
-from _train_utils import AUX, metric_rows, train_store
+from _train_utils import AUX, metric_rows, train_quietly, train_store
 
 from eyas.engines.head import TargetHead
 from eyas.eval import evaluate_draft
@@ -172,13 +172,9 @@ def data(tmp_path_factory):
 
 
 def train(out, store=None, **kw):
-    from eyas.recipes.train import TrainOptions, run_train
-
-    opts = dict(family="dflash", block_size=4, mask_token_id=0, draft_vocab_size=48, token_budget=256,
-                num_workers=0, report_to="none", log_every=1, save_every=0, lr=3e-3, block_gamma=4.0)
-    opts.update(kw)
-    stop_after = opts.pop("stop_after", 0)
-    return run_train(TrainOptions(out=out, store=store, **opts), log=lambda m: None, stop_after=stop_after)
+    return train_quietly(out, store=store, **{**dict(
+        family="dflash", block_size=4, mask_token_id=0, draft_vocab_size=48, token_budget=256, num_workers=0,
+        report_to="none", log_every=1, save_every=0, lr=3e-3, block_gamma=4.0), **kw})
 
 
 def test_dflash_training_learns_the_tiny_target(data, tmp_path):

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import torch
-from _eval_utils import capture, hf_greedy, make_draft, tiny_target, train_draft
+from _eval_utils import capture, hf_greedy, make_draft, target_and_continuations, tiny_target, train_draft
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyas.eval import (
@@ -20,7 +20,6 @@ from eyas.eval import (
     TreeSpec,
     evaluate_draft,
     greedy_acceptance,
-    target_generate,
 )
 from eyas.eval.prompts import render_prompt
 from eyas.eval.report import load_report, markdown_summary, write_report
@@ -37,13 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny():
     """A tiny target, 12 prompts with its greedy continuations, and drafts trained on them (vocab 48 of
     64): one decoder layer (EAGLE-3's), two, and EAGLE-3.1's (fc_norm, norm_output)."""
-    target = tiny_target()
-    aux = [1, 2, 3]
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 64, (8,), generator=g).tolist() for _ in range(6)]
-    wrapped = HFTarget(target, aux)
-    seqs = [p + target_generate(wrapped, p, 40).tokens for p in prompts]
-    wrapped.close()
+    target, aux, prompts, seqs = target_and_continuations()
     trained = make_draft(target, aux, 48, seqs)
     train_draft(trained, capture(target, seqs, aux), steps=120)
     two_layers = make_draft(target, aux, 48, seqs, layers=2)

@@ -126,11 +126,14 @@ def test_compiled_target_gives_the_eager_states(assets):
     ds = PreparedDataset(root / "prepared")
     seqs = [ds[i]["input_ids"] for i in range(6)]  # ragged: a mask, and a different graph from ...
     model = tf.LlamaForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
-    eager = HFEngine(model, dtype="float32", device="cpu").capture_flat(seqs)
+    batches = (seqs, [seqs[0], seqs[0]])  # ... a batch of equal lengths, which has none
+    plain = HFEngine(model, dtype="float32", device="cpu")
+    eager = [plain.capture_flat(batch) for batch in batches]
+    plain.close()
     engine = HFEngine(model, dtype="float32", device="cpu", compile=True)
-    for batch in (seqs, [seqs[0], seqs[0]]):  # ... a batch of equal lengths, which has none
+    assert all("forward" in vars(layer) for layer in model.model.layers)
+    for batch, want in zip(batches, eager, strict=True):
         got = engine.capture_flat(batch)
-        want = eager if batch is seqs else HFEngine(model, dtype="float32", device="cpu").capture_flat(batch)
         assert torch.allclose(got.aux, want.aux, atol=1e-5) and torch.allclose(got.final, want.final, atol=1e-5)
         assert not torch.equal(got.aux, torch.zeros_like(got.aux))
     engine.close()

@@ -17,7 +17,16 @@ import time
 
 import pytest
 import torch
-from _train_utils import AUX, StoreRounded, make_store, metric_rows, same_curve, without_rates
+from _train_utils import (
+    AUX,
+    TINY_EAGLE3,
+    StoreRounded,
+    metric_rows,
+    same_curve,
+    train_quietly,
+    train_store,
+    without_rates,
+)
 
 from eyas.engines.base import FlatCapture
 from eyas.engines.hf import HFEngine
@@ -27,26 +36,16 @@ from eyas.train.online import Layout, StateSpec, TargetFeed, node_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KW = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
-          save_every=0, lr=3e-3, max_steps=6, val_samples=12, val_every=3)
+KW = dict(TINY_EAGLE3, max_steps=6, val_samples=12, val_every=3)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return make_store(tmp_path_factory.mktemp("online"))
-    finally:
-        torch.set_num_threads(n)
+    return train_store(tmp_path_factory.mktemp("online"))
 
 
 def train(out, target_engine=None, **kw):
-    from eyas.recipes.train import TrainOptions, run_train
-
-    opts = {**KW, **kw}
-    stop_after = opts.pop("stop_after", 0)
-    return run_train(TrainOptions(out=out, **opts), engine=target_engine, log=lambda m: None, stop_after=stop_after)
+    return train_quietly(out, target_engine, **{**KW, **kw})
 
 
 def test_online_equals_offline_and_a_killed_run_resumes_exactly(data, tmp_path):

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from _train_utils import StoreRounded, make_prepared, metric_rows, same_curve, without_rates
+from _train_utils import TINY_EAGLE3, StoreRounded, make_prepared, metric_rows, same_curve, train_quietly, without_rates
 
 from eyas.model.draft import Eagle3Draft
 
@@ -27,8 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vll
                                                    reason="needs vllm: run with .venv-vllm/bin/python")]
 
 AUX = [1, 2, 3]
-KW = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_workers=0, report_to="none", log_every=1,
-          save_every=0, lr=3e-3, max_steps=6, val_samples=12, val_every=3, preflight=False)
+KW = dict(TINY_EAGLE3, max_steps=6, val_samples=12, val_every=3, preflight=False)
 
 
 def make_vllm_target(folder):
@@ -74,11 +73,7 @@ class Named:
 
 
 def train(out, target_engine=None, **kw):
-    from eyas.recipes.train import TrainOptions, run_train
-
-    opts = {**KW, **kw}
-    stop_after = opts.pop("stop_after", 0)
-    return run_train(TrainOptions(out=out, **opts), engine=target_engine, log=lambda m: None, stop_after=stop_after)
+    return train_quietly(out, target_engine, **{**KW, **kw})
 
 
 def test_tp2_online_equals_offline_and_a_killed_run_resumes_exactly(setup, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _packs import V_D, V, make_pack, tiny_draft
 from _peagle_utils import capture, make_peagle, reference_parallel_logits, target_dist, train_peagle
-from _train_utils import metric_rows, train_store
+from _train_utils import TINY_EAGLE3, metric_rows, train_quietly, train_store
 
 from eyas.engines.head import TargetHead
 from eyas.export import ServeOptions, export_draft
@@ -164,13 +164,7 @@ def data(tmp_path_factory):
 
 
 def train(out, store=None, **kw):
-    from eyas.recipes.train import TrainOptions, run_train
-
-    opts = dict(family="peagle", mask_token_id=0, ttt_steps=3, draft_vocab_size=48, token_budget=256, num_workers=0,
-                report_to="none", log_every=1, save_every=0, lr=3e-3)
-    opts.update(kw)
-    stop_after = opts.pop("stop_after", 0)
-    return run_train(TrainOptions(out=out, store=store, **opts), log=lambda m: None, stop_after=stop_after)
+    return train_quietly(out, store=store, **{**TINY_EAGLE3, "family": "peagle", "mask_token_id": 0, **kw})
 
 
 def test_peagle_training_learns_the_tiny_target(data, tmp_path):
