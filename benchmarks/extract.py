@@ -33,7 +33,7 @@ from common import matmul_ceiling, sync  # noqa: E402
 
 from eyas.data.prepared import PreparedWriter  # noqa: E402
 from eyas.engines.base import plan_batches  # noqa: E402
-from eyas.engines.hf import HFEngine  # noqa: E402
+from eyas.engines.hf import HFEngine, compile_layers, uncompile_layers  # noqa: E402
 from eyas.recipes.extract import ExtractOptions, default_token_budget, run_extract  # noqa: E402
 
 SHAPES = {
@@ -88,9 +88,8 @@ def batches_of(n: int, seq_len: int, budget: int, vocab: int, dev: torch.device)
 @torch.inference_mode()
 def bare_forward(model, batches: list[torch.Tensor], dev: torch.device, compiled: bool = False) -> float:
     text = model.model
-    if compiled:  # as `--compile` does it: each decoder layer, for any shape
-        for layer in text.layers:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+    if compiled:
+        compile_layers(text.layers)  # as `--compile` does
     text(input_ids=batches[0], use_cache=False)  # warm-up (kernels, allocator, compile)
     sync(dev)
     t = time.perf_counter()
@@ -98,8 +97,7 @@ def bare_forward(model, batches: list[torch.Tensor], dev: torch.device, compiled
         text(input_ids=ids, use_cache=False)
     sync(dev)
     dt = time.perf_counter() - t
-    for layer in text.layers:
-        layer.__dict__.pop("forward", None)
+    uncompile_layers(text.layers)
     return dt
 
 

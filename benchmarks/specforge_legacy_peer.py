@@ -209,13 +209,7 @@ def build_offline_step(api: Any, config: Any, batches: list[dict], lm_head: torc
     its TargetHead over the stored final state, its preprocess(), then the same update as online."""
     dev = d2t.device
     model, optimizer = draft_model(api, config, None, d2t, t2d, ttt, attention, wrap)
-    with tempfile.TemporaryDirectory() as tmp:
-        config.save_pretrained(tmp)
-        head = api.TargetHead(tmp)
-    with torch.no_grad():
-        head.fc.weight.copy_(lm_head)
-    head.freeze_weights()
-    head = head.eval().to(dev, torch.bfloat16)
+    head = target_head(api, config, lm_head, torch.bfloat16).to(dev)
     rows = [_offline_row(api, r) for r in batches]  # what its DataLoader workers hand over, pinned
     turn = iter(range(10**9))
 
@@ -226,6 +220,19 @@ def build_offline_step(api: Any, config: Any, batches: list[dict], lm_head: torc
                       loss_mask=loss_mask, target=target, hidden_states=r["hidden_state"])
 
     return step
+
+
+def target_head(api: Any, config: Any, lm_head: torch.Tensor, dtype: torch.dtype) -> Any:
+    """Its TargetHead (both layouts) reads the target's config from a folder; the weight is eyas' lm_head."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        head = api.TargetHead(tmp)
+    with torch.no_grad():
+        head.fc.weight.copy_(lm_head)
+    head.freeze_weights()
+    return head.eval().to(dtype=dtype)
+
+
 
 
 def _offline_row(api: Any, raw: dict) -> dict[str, torch.Tensor]:

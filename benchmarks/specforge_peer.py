@@ -176,7 +176,7 @@ class SpecForge:
             return step, lambda loss: math.isfinite(float(loss))
         with torch.device(dev):
             draft = api.AutoDraftModel.from_config(config, attention_backend=attention, torch_dtype=dtype)
-            head = _target_head(api, config, inputs.lm_head, dtype)
+            head = specforge_legacy_peer.target_head(api, config, inputs.lm_head, dtype)
         draft.freeze_embedding()
         with torch.no_grad():
             draft.t2d.copy_(inputs.t2d)
@@ -222,17 +222,6 @@ def _draft_config(shape: Any) -> Any:
                        draft_vocab_size=shape.draft_vocab, num_hidden_layers=1, rope_theta=shape.rope_theta,
                        max_position_embeddings=16384, rms_norm_eps=1e-5, hidden_act="silu",
                        tie_word_embeddings=False)
-
-
-def _target_head(api: types.SimpleNamespace, config: Any, lm_head: torch.Tensor, dtype: torch.dtype) -> Any:
-    """Its TargetHead reads the target's config from a folder; the weight is eyas' random lm_head."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config.save_pretrained(tmp)
-        head = api.TargetHead(tmp)
-    with torch.no_grad():
-        head.fc.weight.copy_(lm_head)
-    head.freeze_weights()
-    return head.eval().to(dtype=dtype)
 
 
 def _import_api(cpu: bool) -> types.SimpleNamespace:

@@ -151,6 +151,24 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     return str(name_or_path)  # a hub id: transformers resolves it (from its local cache when offline)
 
 
+def model_folder(name: str, download: bool = False) -> Path:
+    """A local folder with the model's config and safetensors: `name` itself, else a hub id's snapshot (from the
+    local cache, or fetched where `download`: only those two kinds of file)."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        if download:
+            return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any hub failure means the same to the user
+        where = "could not be fetched from the hub" if download else "nor a hub id in the local cache"
+        raise EyasError(f"target '{name}' is not a folder and {where} ({e}); pass a local folder with config.json "
+                        "and *.safetensors") from e
+
+
 # ---------------------------------------------------------------------------------------------
 # Data shipped as packages
 # ---------------------------------------------------------------------------------------------

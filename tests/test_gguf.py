@@ -70,3 +70,16 @@ def test_a_gguf_transformers_cannot_read_is_refused_with_what_to_do(tmp_path, mo
     not_gguf.write_bytes(b"\0" * 16)
     assert resolve_model(str(not_gguf)) == str(not_gguf)  # not GGUF: transformers' own error will name it
     assert not list((tmp_path / "cache").glob("gguf/*/config.json"))  # nothing half-converted left
+
+
+def test_a_target_folder_is_the_folder_and_an_unknown_name_says_what_to_pass(tmp_path, monkeypatch):
+    """model_folder (online training's clients, the vllm engine): a folder is itself; a name that is neither a
+    folder nor a cached hub id ends in one error naming it, whether or not a download is allowed."""
+    from eyas.assets import model_folder
+
+    assert model_folder(str(tmp_path)) == tmp_path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here in any case: fail fast, the same way everywhere
+    for download, where in ((False, "nor a hub id in the local cache"), (True, "could not be fetched from the hub")):
+        with pytest.raises(EyasError, match=f"(?s)target 'no-org/no-such-model' is not a folder and {where} .*pass a "
+                                            "local folder with config.json"):
+            model_folder("no-org/no-such-model", download=download)

@@ -144,23 +144,12 @@ class HFEngine(TargetEngine):
             self._hooks.append(self.norm.register_forward_pre_hook(self._final_pre_hook))
         else:  # no final norm found: take the last layer's output (the forward then runs to the end)
             self._hooks.append(last.register_forward_hook(self._final_post_hook))
-        self._compiled = False
+        self._compiled = compile
         if compile:
-            self._compile_layers()
-
-    def _compile_layers(self) -> None:
-        """torch.compile each decoder layer's forward, so its norms, rotary and activation fuse.
-
-        Per layer and not the whole decoder: the capture hooks (and the stop at the final norm) stay eager,
-        and all layers share the compiled graphs: one for a batch of one, one for any larger batch, one more
-        for ragged batches (they carry a mask)."""
-        for layer in self.layers[: self.num_layers]:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
-        self._compiled = True
+            compile_layers(self.layers[: self.num_layers])
 
     def _uncompile(self) -> None:
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+        uncompile_layers(self.layers)
         self._compiled = False
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -300,6 +289,22 @@ class HFEngine(TargetEngine):
             h.remove()
         self._hooks = []
         self._uncompile()  # a model handed in leaves as it came
+
+
+def compile_layers(layers: Any) -> None:
+    """torch.compile each decoder layer's forward, so its norms, rotary and activation fuse.
+
+    Per layer and not the whole decoder: hooks on the layers (eyas' captures, the stop at the final norm) stay
+    eager, and all layers share the compiled graphs: one for a batch of one, one for any larger batch, one
+    more for ragged batches (they carry a mask)."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def uncompile_layers(layers: Any) -> None:
+    """Undo compile_layers: each layer's own forward again."""
+    for layer in layers:
+        layer.__dict__.pop("forward", None)
 
 
 def _probe_norm_offset(norm: nn.Module, eps: float) -> float:

@@ -20,7 +20,6 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,20 +97,6 @@ def target_environment(gpus: list[int] | None):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def model_folder(name: str) -> Path:
-    """A local folder with the target's config and safetensors (a cached hub id resolves to its snapshot)."""
-    path = Path(name)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception as e:  # noqa: BLE001 - any hub failure means the same to the user
-        raise EyasError(f"target '{name}' is not a folder nor a hub id in the local cache ({e}); the ranks that "
-                        "receive states read the target's head from its safetensors: pass a local folder") from e
 
 
 @dataclass
@@ -358,6 +343,7 @@ def open_online_target(opts: Any, info: Any, lengths: Any, budget: int, engine: 
     served = spans and info.world > 1
     group = None
     if served:  # every rank: the spec, the layers and the head are rank 0's; the states travel on a group
+        from eyas.assets import model_folder
         from eyas.engines.head import read_target_head
         from eyas.train import distributed as D
 

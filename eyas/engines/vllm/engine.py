@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from eyas.assets import model_folder
 from eyas.data.media import SampleMedia
 from eyas.engines.base import Capture, TargetEngine, default_aux_layer_ids, validate_aux_layer_ids
 from eyas.engines.head import TargetHead, read_target_head
@@ -73,7 +74,7 @@ class VllmEngine(TargetEngine):
             raise EyasError(f"unknown vllm engine option(s) {unknown}; pass other vllm.LLM arguments in llm_kwargs")
         self.probe = probe_vllm(path=capture_path)
         self.path = self.probe.path if capture_path == "auto" else capture_path
-        self.model_dir = self._local_dir(model)
+        self.model_dir = model_folder(model, download=True)
         cfg = self._read_config(self.model_dir)
         if capture_path == "auto" and self.path == "native" and supports_eagle3(cfg) is False:
             # vLLM hands aux states only to models with its EAGLE-3 interface (not Gemma, Phi-3, ...)
@@ -162,19 +163,6 @@ class VllmEngine(TargetEngine):
             raise
 
     # -- setup helpers -------------------------------------------------------------------------
-
-    @staticmethod
-    def _local_dir(model: str) -> Path:
-        p = Path(model)
-        if p.is_dir():
-            return p
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors"]))
-        except Exception as e:  # noqa: BLE001
-            raise EyasError(f"target '{model}' is not a folder and could not be fetched from the hub ({e}); "
-                            "pass a local folder with config.json and *.safetensors") from e
 
     @staticmethod
     def _read_config(d: Path) -> dict:
