@@ -113,13 +113,13 @@ TINY_EAGLE3 = dict(draft_vocab_size=48, ttt_steps=3, token_budget=256, num_worke
                    save_every=0, lr=3e-3)  # a small EAGLE-3 draft: vocab 48, TTT 3, 256-token packs, a row per step
 
 
-def train_quietly(out: Path, engine=None, **opts) -> dict:
+def train_quietly(out: Path, target_engine=None, **opts) -> dict:
     """`run_train` of TrainOptions(out=out, **opts), its log dropped; `stop_after=N` stops the run after N steps
-    as a kill would; `engine` is the target engine of an online run (else the run loads its own)."""
+    as a kill would; `target_engine` is an online run's target engine object (else the run starts its own)."""
     from eyas.recipes.train import TrainOptions, run_train
 
     stop_after = opts.pop("stop_after", 0)
-    return run_train(TrainOptions(out=out, **opts), engine=engine, log=lambda m: None, stop_after=stop_after)
+    return run_train(TrainOptions(out=out, **opts), engine=target_engine, log=lambda m: None, stop_after=stop_after)
 
 
 def run_tiny_train(out: Path, store: Path | None, **kw) -> dict:

@@ -45,7 +45,7 @@ def data(tmp_path_factory):
 
 
 def train(out, target_engine=None, **kw):
-    return train_quietly(out, target_engine, **{**KW, **kw})
+    return train_quietly(out, target_engine=target_engine, **{**KW, **kw})
 
 
 def test_online_equals_offline_and_a_killed_run_resumes_exactly(data, tmp_path):

@@ -73,7 +73,7 @@ class Named:
 
 
 def train(out, target_engine=None, **kw):
-    return train_quietly(out, target_engine, **{**KW, **kw})
+    return train_quietly(out, target_engine=target_engine, **{**KW, **kw})
 
 
 def test_tp2_online_equals_offline_and_a_killed_run_resumes_exactly(setup, tmp_path):
