@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import SHAPES, draft_config, measure, random_batch, random_target, release  # noqa: E402
+from train import measure, release  # noqa: E402
+from train_inputs import SHAPES, draft_config, random_batch, random_target  # noqa: E402
 
 from eyas.engines.head import TargetHead  # noqa: E402
 from eyas.model.families import build_draft  # noqa: E402

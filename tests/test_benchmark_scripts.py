@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it runs
     spec.loader.exec_module(module)
     return module
 
@@ -116,24 +117,60 @@ def test_a_peer_version_that_cannot_be_driven_says_why_and_leaves_nothing_behind
         peer_module.parse_variant("fa")
 
 
+def test_repeated_figures_are_interleaved_and_judged_by_their_whole_range():
+    """benchmarks/common.py: rounds rotate which case goes first, ratios pair draws of one round, and a ratio
+    meets its goal only when its lowest draw does."""
+    common = load_script("common")
+    order: list[str] = []
+    results = common.interleaved([lambda: order.append("a") or len(order), lambda: order.append("b") or len(order),
+                                  lambda: order.append("c") or len(order)], 3)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert results == [[1, 6, 8], [2, 4, 9], [3, 5, 7]]  # per case, in round order
+    with pytest.raises(ValueError, match="repeats"):
+        common.interleaved([lambda: 0], 0)
+
+    s = common.spread([3.0, 1.0, 2.0, 10.0])
+    assert (s.median, s.low, s.high, s.draws) == (2.5, 1.0, 10.0, 4)
+    assert common.spread([24844.0]).show() == "24,844 (1 run)"
+    assert common.spread([1.0, 1.5, 2.0]).show(".2f", "x") == "1.50x (1.00-2.00x, 3 runs)"
+
+    # per round, not median over median: round 2's slow peer draw meets eyas' slow draw of the same round
+    r = common.paired_ratio([130.0, 90.0, 128.0], [100.0, 72.0, 100.0])
+    assert (r.median, r.low, r.high) == (1.28, 1.25, 1.3)
+    with pytest.raises(ValueError, match="same round"):
+        common.paired_ratio([1.0, 2.0], [1.0])
+
+    assert common.verdict(r, 1.25) == "met"
+    assert common.verdict(common.spread([1.2, 1.3, 1.4]), 1.25) == "not met (its range crosses the goal)"
+    assert common.verdict(common.spread([1.07, 1.1, 1.2]), 1.25) == "not met"
+
+
 @pytest.mark.skipif(peer_source() is None, reason="no SpecForge source: set EYAS_PEER_SRC or run scripts/test.sh")
 def test_train_benchmark_runs_the_peers_own_step_beside_eyas_in_one_run(tmp_path):
     """`benchmarks/train.py --smoke --peer-src` on CPU: SpecForge's sdpa step (and its compact teacher) from
-    its source, its rows, same-run ratios and the goal line; a tree it cannot drive costs one line."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "--smoke", "--peer-src", f"v0.2.0={peer_source()}",
-           "--peer-src", f"broken={tmp_path}"]
+    its source, every case twice, interleaved, as medians with their ranges; same-run ratios per round and
+    the goal line; a tree it cannot drive costs one line a round."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "--smoke", "--repeats", "2",
+           "--peer-src", f"v0.2.0={peer_source()}", "--peer-src", f"broken={tmp_path}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)})
     out = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "peer v0.2.0: SpecForge 0.2.0 from" in out
-    assert f"peer broken: cannot be driven ({tmp_path} holds no specforge package)" in out
-    for variant in ("sdpa", "sdpa+compact"):
-        assert any(line.startswith(f"| tiny | 256 | v0.2.0 | {variant} |") and line.endswith("| yes |")
-                   for line in out.splitlines()), out
-        assert f"| tiny | 256 | eager | v0.2.0 | {variant} | " in out
-    assert "fastest peer v0.2.0 sdpa" in out or "fastest peer v0.2.0 sdpa+compact" in out
-    assert "    eyas eager: " in out
+    lines = out.splitlines()
+    assert out.count("peer v0.2.0: SpecForge 0.2.0 from") == 2
+    assert out.count(f"peer broken: cannot be driven ({tmp_path} holds no specforge package)") == 2
+    assert sum(line.startswith("  eyas tiny 256 eager: ") for line in lines) == 2
+    for variant in ("sdpa, bare", "sdpa+compact, bare"):
+        assert sum(line.startswith(f"  v0.2.0 tiny 256 {variant}: ") for line in lines) == 2
+        assert any(line.startswith(f"| tiny | 256 | v0.2.0 | {variant} | ") and ", 2 runs) |" in line
+                   and line.endswith("| yes |") for line in lines), out
+        assert any(line.startswith(f"| tiny | 256 | eager | v0.2.0 | {variant} | ") and "x, 2 runs) |" in line
+                   for line in lines), out
+    assert "fastest peer case v0.2.0 sdpa" in out
+    assert any(line.startswith("    eyas eager: ") and line.split("-> ")[-1].startswith(("met", "not met"))
+               for line in lines), out
+    assert any(line.startswith("| tiny | 256 | eager | ") and "%, 2 runs) |" in line for line in lines), out
+    assert "Time to the first step: " in out
 
 
 def test_online_benchmark_runs_end_to_end_on_cpu(tmp_path):
