@@ -20,16 +20,19 @@ the same target module and the same draft trainer:
    target and batches. Goal: eyas online >= 2x its tok/s.
 
 Each row runs --warmup steps (torch.compile, CUDA graph capture) before --steps timed ones; tok/s counts
-the sequences' tokens.
+the sequences' tokens. Every row is drawn --repeats times (default 3), interleaved; a figure is the median
+of its draws with their range, a ratio is taken per round, and a goal is met only by the ratio's whole
+range (benchmarks/common.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import sync  # noqa: E402
+from common import Spread, interleaved, paired_ratio, spread, sync, verdict  # noqa: E402
 
 from eyas.engines.hf import HFEngine  # noqa: E402
 from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
@@ -139,46 +142,73 @@ def online(engine: HFEngine, trainer: Trainer, prepared: Path, args, dev: torch.
         feed.close()
 
 
-def peer(path: str, engine: HFEngine, vocab: tuple[torch.Tensor, torch.Tensor], rows: list[dict], args,
-         dev: torch.device) -> str | float:
-    """SpecForge's online loop on the same target, rows and draft vocabulary: tok/s, or why it could not run."""
-    import specforge_legacy_peer as sf
+class Peer:
+    """SpecForge's online loop on the same target, rows and draft vocabulary, built on its first call and kept
+    (imported, in its process group) until close(): each call is one draw of its tok/s, or why it cannot run."""
 
-    if dev.type != "cuda":
-        return "not run: its loop wraps the draft in FSDP and needs a GPU"
-    from specforge_peer import one_process_group
+    def __init__(self, path: str, engine: HFEngine, vocab: tuple[torch.Tensor, torch.Tensor], rows: list[dict],
+                 args, dev: torch.device) -> None:
+        self.path, self.engine, self.vocab, self.rows, self.args, self.dev = path, engine, vocab, rows, args, dev
+        self.stack = contextlib.ExitStack()
+        self.step: Callable[[], None] | None = None
 
-    d2t, t2d = vocab
-    try:
-        with sf.imported(Path(path).expanduser().resolve()) as api, one_process_group():
-            step = sf.build_step(api, engine.model, engine.aux_layer_ids, d2t.to(dev), t2d.to(dev), args.ttt,
-                                 args.peer_attention)
-            turn = iter(range(10**9))
+    def __call__(self) -> str | float:
+        import specforge_legacy_peer as sf
 
-            def one() -> None:
-                r = rows[next(turn) % len(rows)]
-                step(r["input_ids"][: args.tokens], r["loss_mask"][: args.tokens])
+        if self.dev.type != "cuda":
+            return "not run: its loop wraps the draft in FSDP and needs a GPU"
+        try:
+            if self.step is None:
+                self.step = self._build(sf)
+            return timed(self.step, self.args.steps, self.args.warmup, self.args.tokens, self.dev)
+        except sf.PeerUnusable as e:
+            return f"cannot be driven ({e})"
 
-            return timed(one, args.steps, args.warmup, args.tokens, dev)
-    except sf.PeerUnusable as e:
-        return f"cannot be driven ({e})"
+    def _build(self, sf) -> Callable[[], None]:
+        from specforge_peer import one_process_group
+
+        api = self.stack.enter_context(sf.imported(Path(self.path).expanduser().resolve()))
+        self.stack.enter_context(one_process_group())
+        d2t, t2d = self.vocab
+        engine, args = self.engine, self.args
+        step = sf.build_step(api, engine.model, engine.aux_layer_ids, d2t.to(self.dev), t2d.to(self.dev), args.ttt,
+                             args.peer_attention)
+        turn = iter(range(10**9))
+
+        def one() -> None:
+            r = self.rows[next(turn) % len(self.rows)]
+            step(r["input_ids"][: args.tokens], r["loss_mask"][: args.tokens])
+
+        return one
+
+    def close(self) -> None:
+        self.step = None
+        self.stack.close()
 
 
-def report(rates: dict[str, str | float]) -> None:
-    s, o, p = rates["serial"], rates["eyas online"], rates.get("peer")
-    print("\n| row | tok/s | eyas online ÷ this | goal |")
+def report(draws: dict[str, list[str | float]]) -> dict[str, Spread]:
+    """Medians (ranges) of each row, eyas online's ratio to each per round, and the goals judged on the whole
+    range of that ratio (benchmarks/common.py). Returns the ratios."""
+    o = draws["eyas online"]
+    rows = [("serial", "serial: bare target forward, then the draft step", GOAL_SERIAL),
+            ("eyas online", "eyas online (TargetFeed + Trainer)", None), ("peer", "SpecForge online loop", GOAL_PEER)]
+    print("\n| row | tok/s, median (range) | eyas online ÷ this, per round | goal |")
     print("| --- | ---: | ---: | --- |")
-    print(f"| serial: bare target forward, then the draft step | {s:,.0f} | {o / s:.2f}x | >= {GOAL_SERIAL}x: "
-          f"{'met' if o / s >= GOAL_SERIAL else 'not met'} |")
-    print(f"| eyas online (TargetFeed + Trainer) | {o:,.0f} | 1.00x | |")
-    if isinstance(p, float):
-        print(f"| SpecForge online loop | {p:,.0f} | {o / p:.2f}x | >= {GOAL_PEER}x: "
-              f"{'met' if o / p >= GOAL_PEER else 'not met'} |")
-    elif p is not None:
-        print(f"peer: {p}")
+    ratios = {}
+    for key, label, goal in rows:
+        got = draws.get(key)
+        if got is None:
+            continue
+        if any(isinstance(g, str) for g in got):
+            print(f"peer: {next(g for g in got if isinstance(g, str))}")
+            continue
+        ratios[key] = paired_ratio(o, got)
+        judged = f">= {goal}x: {verdict(ratios[key], goal)}" if goal else ""
+        print(f"| {label} | {spread(got).show()} | {ratios[key].show('.2f', 'x')} | {judged} |")
+    return ratios
 
 
-def main(argv: list[str] | None = None) -> dict[str, str | float]:
+def main(argv: list[str] | None = None) -> dict[str, Spread]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32: check that the script runs")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per sequence = per optimizer step")
@@ -189,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, str | float]:
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers of the feed")
     ap.add_argument("--peer-src", help="a SpecForge tree with its in-process online loop (the v0.2.0 tag)")
     ap.add_argument("--peer-attention", default="flex_attention", help="its draft attention: flex_attention, sdpa")
+    ap.add_argument("--repeats", type=int, default=3, help="draws of every row, interleaved (medians, ranges)")
     ap.add_argument("--work-dir", help="where the prepared dataset of random tokens goes (default: a temp dir)")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -199,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, str | float]:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"online benchmark: {shape} target ({dtype}) on {card}, torch {torch.__version__}, {args.tokens} tokens a "
-          f"step, TTT {args.ttt}, {args.steps} timed steps after {args.warmup}", flush=True)
+          f"step, TTT {args.ttt}, {args.steps} timed steps after {args.warmup}, {args.repeats} interleaved draws of "
+          "every row", flush=True)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         prepared = make_prepared(Path(tmp) / "prepared", args.steps + args.warmup + 4, args.tokens, SHAPES[shape][5])
         engine = HFEngine(make_target(shape, dev, dtype, args.tokens), dtype=dtype, device=dev)
@@ -208,19 +240,27 @@ def main(argv: list[str] | None = None) -> dict[str, str | float]:
         plan = Plan(np.full(4, args.tokens), args.tokens, seed=0, world=1, grad_accum=1)
         rows = [PackDataset(SampleSource(prepared, "prepared"), plan.packs(0), args.tokens, args.tokens, False)[k]
                 for k in range(4)]
-        rates: dict[str, str | float] = {"serial": serial(engine, trainer, rows, args, dev)}
-        print(f"serial: {rates['serial']:,.0f} tok/s", flush=True)
-        rates["eyas online"] = online(engine, trainer, prepared, args, dev)
-        print(f"eyas online: {rates['eyas online']:,.0f} tok/s", flush=True)
-        if args.peer_src:
+        cases: dict[str, Callable[[], str | float]] = {
+            "serial": lambda: serial(engine, trainer, rows, args, dev),
+            "eyas online": lambda: online(engine, trainer, prepared, args, dev)}
+        if args.peer_src:  # held beside eyas' trainer, so that every round runs all three
             vocab = trainer.draft.d2t.cpu(), trainer.draft.t2d.cpu()
-            del trainer  # its memory goes to the peer's draft and optimizer
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            rates["peer"] = peer(args.peer_src, engine, vocab, rows, args, dev)
-        report(rates)
-    return rates
+            cases["peer"] = peer = Peer(args.peer_src, engine, vocab, rows, args, dev)
+        try:
+            draws = dict(zip(cases, interleaved([noted(k, f) for k, f in cases.items()], args.repeats), strict=True))
+        finally:
+            if args.peer_src:
+                peer.close()
+        return report(draws)
+
+
+def noted(name: str, case: Callable[[], str | float]) -> Callable[[], str | float]:
+    """`case`, printing each draw as it comes."""
+    def run() -> str | float:
+        got = case()
+        print(f"{name}: " + (got if isinstance(got, str) else f"{got:,.0f} tok/s"), flush=True)
+        return got
+    return run
 
 
 if __name__ == "__main__":

@@ -174,15 +174,16 @@ def test_train_benchmark_runs_the_peers_own_step_beside_eyas_in_one_run(tmp_path
 
 
 def test_online_benchmark_runs_end_to_end_on_cpu(tmp_path):
-    """`benchmarks/online.py --smoke`: the serial and the online rows of one run, their ratio against the goal,
-    and the peer's line (its FSDP-wrapped loop needs a GPU)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "online.py"), "--smoke", "--work-dir", str(tmp_path),
-           "--peer-src", str(tmp_path)]
+    """`benchmarks/online.py --smoke`: the serial and the online rows of one run, each drawn twice, their
+    per-round ratio against the goal, and the peer's line (its FSDP-wrapped loop needs a GPU)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "online.py"), "--smoke", "--repeats", "2", "--work-dir",
+           str(tmp_path), "--peer-src", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)})
     out = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| serial: bare target forward, then the draft step | " in out and ">= 0.9x: " in out
+    serial = next(line for line in out.splitlines() if line.startswith("| serial: bare target forward, then the "))
+    assert serial.count(", 2 runs)") == 2 and ">= 0.9x: " in serial  # the rate and the per-round ratio
     assert "| eyas online (TargetFeed + Trainer) | " in out
     assert "peer: not run: its loop wraps the draft in FSDP and needs a GPU" in out
     assert not list(tmp_path.iterdir())  # the prepared dataset of random tokens is gone
