@@ -198,3 +198,19 @@ def test_families_benchmark_runs_every_family_on_cpu():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny |")]
     assert [r.split("|")[2].strip() for r in rows] == ["eagle3", "dflash", "peagle"]
     assert all(r.rstrip(" |").endswith("True") for r in rows) and "1.00x" in rows[0]
+
+
+def test_extract_benchmark_draws_every_row_and_pairs_its_ratios(tmp_path):
+    """`benchmarks/extract.py --smoke --repeats 2`: every row twice, as a median with its range, and its
+    ratios to the bare forward and the naive loop per round (the bare forward's own: exactly 1)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "extract.py"), "--smoke", "--repeats", "2", "--samples", "8",
+           "--work-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[2].strip(): line for line in done.stdout.splitlines() if line.startswith("| tiny |")}
+    assert list(rows) == ["bare forward", "naive e2e (torch.save)", "eyas e2e"]
+    assert all(line.count(", 2 runs)") == 3 for line in rows.values()), rows
+    assert "| 1.00 (1.00-1.00, 2 runs) |" in rows["bare forward"]
+    assert "| 1.00 (1.00-1.00, 2 runs) |" in rows["naive e2e (torch.save)"]
+    assert not list(tmp_path.iterdir())  # every store is gone
