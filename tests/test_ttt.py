@@ -158,6 +158,41 @@ def test_fused_loss_matches_plain_autograd_and_rows_are_independent():
     assert rel(out[True][0], alone) < 1e-6
 
 
+def test_fused_head_keeps_no_logits_for_backward_and_its_gradients_are_exact_in_fp64():
+    """The fused lm_head + soft CE over all TTT steps keeps, for the backward pass, exactly the gradients wrt
+    the steps' hidden states and the head (S x [N, H] + [V_d, H]), never an [N, V_d] tensor, while plain
+    autograd keeps logits-sized tensors for every step; in float64 both give the same loss and gradients."""
+    from eyas.train.loss import TargetDist, fused_draft_ce, reference_draft_ce
+
+    S, N, Hd, Vd = 3, 64, 16, 512  # a vocabulary far wider than the hidden size, as in real drafts
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(Vd, Hd, generator=g, dtype=torch.float64)
+    hiddens = [torch.randn(N, Hd, generator=g, dtype=torch.float64) for _ in range(S)]
+    probs = torch.softmax(2 * torch.randn(N + S + 1, Vd, generator=g, dtype=torch.float64), -1)
+    target = TargetDist(probs, probs.argmax(-1))
+    wvalid = (torch.rand(S, N, generator=g) < 0.8).double() * torch.tensor([1.0, 0.8, 0.64])[:, None].double()
+    results = {}
+    for name, fn in (("fused", lambda w, hs: fused_draft_ce(w, hs, target, wvalid, chunk_elems=20 * Vd)),
+                     ("plain", lambda w, hs: reference_draft_ce(w, hs, target, wvalid))):
+        w = weight.clone().requires_grad_()
+        hs = [h.clone().requires_grad_() for h in hiddens]
+        saved: list[torch.Size] = []
+
+        def keep(t: torch.Tensor, saved: list[torch.Size] = saved) -> torch.Tensor:
+            saved.append(t.shape)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss, stats = fn(w, hs)
+        loss.backward()
+        results[name] = (loss.detach(), stats, w.grad, [h.grad for h in hs], saved)
+    (lf, sf, wf, hf, saved_fused), (lp, sp, wp, hp, saved_plain) = results["fused"], results["plain"]
+    assert sorted(saved_fused) == sorted([torch.Size([Vd, Hd])] + [torch.Size([N, Hd])] * S)
+    assert sum(1 for shape in saved_plain if shape == torch.Size([N, Vd])) >= S
+    assert rel(lf, lp) < 1e-12 and torch.allclose(sf, sp.to(sf.dtype))
+    assert rel(wf, wp) < 1e-12 and all(rel(a, b) < 1e-12 for a, b in zip(hf, hp, strict=True))
+
+
 def reply_start_token_weights(mask, docs, weight, tokens):
     """Per token, the plain way: `weight` among the first `tokens` of its reply, else 1."""
     return [weight if 0 <= pos < tokens else 1.0 for pos, _ in plain_reply_positions(mask, docs)]

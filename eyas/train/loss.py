@@ -185,6 +185,11 @@ def step_weights(steps: int, decay: float = 0.8) -> list[float]:
 ALPHA_FLOOR = 1e-6  # lk-alpha: -log alpha (and its gradient) stop growing below this acceptance rate
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the loss is computed in: fp32 for bf16/fp16/fp32 logits, fp64 for fp64 (the exactness tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _ce_chunk(z: torch.Tensor, p: torch.Tensor, m: torch.Tensor | None, tid: torch.Tensor, wv: torch.Tensor,
               grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk of rows. z [c, V_d] draft logits, p [c, V_d] target probs, m: unused (CE needs no mass),
@@ -193,8 +198,8 @@ def _ce_chunk(z: torch.Tensor, p: torch.Tensor, m: torch.Tensor | None, tid: tor
     Returns (ce [c] fp32 soft cross-entropy, correct [c] bool, grad wrt z [c, V_d] in grad_dtype,
     already multiplied by wv). d/dz of -sum_v p_v log softmax(z)_v is softmax(z) * sum(p) - p.
     """
-    zf = z.float()
-    pf = p.float()
+    zf = z.to(accumulation_dtype(z.dtype))
+    pf = p.to(zf.dtype)
     lse = torch.logsumexp(zf, dim=-1)  # [c]
     psum = pf.sum(-1)
     ce = psum * lse - (pf * zf).sum(-1)
@@ -210,7 +215,8 @@ def _lk_chunk(z: torch.Tensor, p: torch.Tensor, m: torch.Tensor, tid: torch.Tens
     With q = softmax(z), p_full = m * p and below = [q < p_full]: alpha = sum min(q, p_full) and
     d alpha / dz = q * (below - sum(q * below)); lk-alpha's gradient is -(1/alpha) of that, lk-lambda's
     lam * (q * sum(p) - p) - (1 - lam) * d alpha / dz (lam a constant of the row)."""
-    zf, pf = z.float(), p.float()
+    zf = z.to(accumulation_dtype(z.dtype))
+    pf = p.to(zf.dtype)
     logq = torch.log_softmax(zf, dim=-1)
     q = logq.exp()
     p_full = pf * m[:, None]
@@ -266,8 +272,9 @@ class _FusedDraftCE(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype == torch.float32 else cdtype,
                         device=weight.device)
         grads_h = []
-        stats = torch.zeros(S, 3, dtype=torch.float32, device=weight.device)  # loss sum, correct, count
-        loss = torch.zeros((), dtype=torch.float32, device=weight.device)
+        acc = accumulation_dtype(cdtype)
+        stats = torch.zeros(S, 3, dtype=acc, device=weight.device)  # loss sum, correct, count
+        loss = torch.zeros((), dtype=acc, device=weight.device)
         fn = _loss_fn(spec, compiled)
         with torch.autocast(weight.device.type, enabled=False):
             for j, h in enumerate(hiddens):
@@ -348,13 +355,14 @@ def reference_draft_ce(weight: torch.Tensor, hiddens: list[torch.Tensor], target
                        wvalid: torch.Tensor | list[torch.Tensor], rows: torch.Tensor | list[torch.Tensor] | None = None,
                        loss: LossSpec = LossSpec()) -> tuple[torch.Tensor, torch.Tensor]:
     """The same as fused_draft_ce with plain autograd (full logits): the test reference."""
-    total = torch.zeros((), dtype=torch.float32, device=weight.device)
+    acc = accumulation_dtype(hiddens[0].dtype)
+    total = torch.zeros((), dtype=acc, device=weight.device)
     mass = _mass_for(target, loss)
     stats = []
     for j, h in enumerate(hiddens):
-        logq = torch.log_softmax((h @ weight.to(h.dtype).T).float(), dim=-1)  # [N, V_d]
+        logq = torch.log_softmax((h @ weight.to(h.dtype).T).to(acc), dim=-1)  # [N, V_d]
         r = slice(1 + j, h.shape[0] + 1 + j) if rows is None else rows[j]
-        ce = row_loss(logq, target.probs[r].float(), None if mass is None else mass[r], loss)
+        ce = row_loss(logq, target.probs[r].to(acc), None if mass is None else mass[r], loss)
         valid = (wvalid[j] > 0).float()
         total = total + (ce * wvalid[j]).sum()
         correct = (logq.argmax(-1) == target.ids[r]).float()
