@@ -16,12 +16,14 @@ from eyas.train.ttt import TTTConfig, TTTModel
 
 
 def check_flex_vs_math(dev: torch.device) -> list[str]:
-    """fp32 and bf16 TTT loss + gradients, flex vs math, on packed documents."""
+    """fp32 and bf16 TTT loss + gradients, flex vs math, on packed documents; and fp32 with a sliding window
+    (--draft-window: one block mask per step) shorter than the documents."""
     lines = []
     shape = Shape("check", 256, 512, 4, 2, 64, 2000, 1000, 10000.0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, window in ((torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 100)):
         torch.backends.cuda.matmul.allow_tf32 = False
         draft, head = random_setup(shape, dev, seed=1)
+        draft.config.sliding_window = window
         draft = draft.to(dtype) if dtype == torch.bfloat16 else draft
         for p in draft.parameters():
             if p.requires_grad:
@@ -45,7 +47,8 @@ def check_flex_vs_math(dev: torch.device) -> list[str]:
         lrel = (abs(lf - lm) / lm).item()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         ok = lrel < tol and worst < 10 * tol
-        lines.append(f"flex vs math, {str(dtype).split('.')[-1]:8s}: loss rel err {lrel:.1e}, worst grad rel err "
+        name = str(dtype).split(".")[-1] + (f", window {window}" if window else "")
+        lines.append(f"flex vs math, {name:8s}: loss rel err {lrel:.1e}, worst grad rel err "
                      f"{worst:.1e} -> {'PASS' if ok else 'FAIL'}")
         del draft, head, res
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -237,6 +237,36 @@ def test_vllm_acceptance_matches_eyas_eval(tmp_path, target_dir, prompts, refere
     assert m["num_accepted_tokens_per_pos"][1] > 0, m  # later positions read the draft's own cache
 
 
+def test_vllm_serves_the_drafts_sliding_window_not_the_verifiers(tmp_path, target_dir, prompts, reference):
+    """A draft with a sliding window (`eyas train --draft-window`): the export names it where vLLM's Llama
+    attention reads it (layer_types + sliding_window); vLLM's acceptance counters equal eyas' own chain
+    decoding of the windowed draft, which differ from the same draft attending to everything (so vLLM did
+    not ignore the window), and the verifier keeps full attention (its output is the target's own)."""
+    import json
+
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from eyas.eval.runner import greedy_acceptance
+
+    window = 6  # shorter than every prompt, longer than the K tokens of a chain
+    draft = last_layer_draft(target_dir, reference).eval()
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    full = greedy_acceptance(target, tok, draft, prompts, k=K, max_new_tokens=MAX_TOKENS)
+    draft.config.sliding_window = window
+    windowed = greedy_acceptance(target, tok, draft, prompts, k=K, max_new_tokens=MAX_TOKENS)
+    assert windowed["accepted_per_pos"] != full["accepted_per_pos"], (windowed, full)
+
+    draft_dir = export_draft(draft, tmp_path / "vllm", "vllm", ServeOptions(verifier=str(target_dir), dtype="float32"))
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] and config["sliding_window"] == window
+    out, m = run_vllm(prompts, MAX_TOKENS, tokenizer=True, model=str(target_dir),
+                      speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": K})
+    assert out == [r[:MAX_TOKENS] for r in reference]
+    check_counters(m, windowed, draft_tokens=False, partly_accepted=False)
+    assert m["num_accepted_tokens"] >= 5, m  # not a comparison of zeros
+
+
 @pytest.mark.parametrize(("layers", "eagle31"), [(1, False), (2, False), (1, True)],
                          ids=["one-layer", "two-layers", "eagle-3.1"])
 def test_speculators_package_loads_export_and_agrees(tmp_path, target_dir, layers, eagle31):

@@ -381,9 +381,10 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from eyas.recipes.train import TrainOptions, run_train
 lines = []
-res = run_train(TrainOptions(out=sys.argv[1], store=sys.argv[2], resume=True, compile=True, draft_vocab_size=48,
-                             ttt_steps=2, token_budget=256, num_workers=0, report_to="none", log_every=1, save_every=0,
-                             max_steps=3, max_time=float(sys.argv[3])), log=lines.append)
+res = run_train(TrainOptions(out=sys.argv[1], store=sys.argv[2], resume=sys.argv[4] == "resume", compile=True,
+                             draft_vocab_size=48, ttt_steps=2, token_budget=256, num_workers=0, report_to="none",
+                             log_every=1, save_every=0, max_steps=int(sys.argv[5]), max_time=float(sys.argv[3])),
+                log=lines.append)
 print(json.dumps({"steps": res["steps"], "lines": lines, "hit": counters["inductor"]["fxgraph_cache_hit"],
                   "miss": counters["inductor"]["fxgraph_cache_miss"]}))
 """
@@ -391,7 +392,8 @@ print(json.dumps({"steps": res["steps"], "lines": lines, "hit": counters["induct
 
 def test_compile_cache_travels_with_the_checkpoint(data, tmp_path):
     """A compiled run leaves torch.compile's artifacts in OUT/train_state; a resume in a fresh process with
-    an empty local compile cache (another machine) then finds every graph there instead of compiling it."""
+    an empty local compile cache (another machine) then finds every graph there instead of compiling it, and
+    so does the same command run again from scratch into the same folder."""
     import subprocess
     import sys
 
@@ -400,11 +402,12 @@ def test_compile_cache_travels_with_the_checkpoint(data, tmp_path):
     _, _, store = data
     out = tmp_path / "run"
 
-    def run(cache_dir: str, max_time: float) -> dict:
+    def run(cache_dir: str, max_time: float, resume: str = "resume", steps: int = 3) -> dict:
         env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache_dir),
                "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(out), str(store), str(max_time)], env=env,
-                           capture_output=True, text=True, timeout=600)
+        args = [str(out), str(store), str(max_time), resume, str(steps)]
+        r = subprocess.run([sys.executable, "-c", _COMPILED_RUN, *args], env=env, capture_output=True, text=True,
+                           timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -415,3 +418,7 @@ def test_compile_cache_travels_with_the_checkpoint(data, tmp_path):
     second = run("machine-b", 0)  # fresh local cache: only the blob can supply the graphs
     assert second["steps"] == 3 and any("compile cache:" in line for line in second["lines"]), second["lines"]
     assert second["hit"] >= first["miss"] and second["miss"] == 0, second
+    # the command run again with other options (one more step): trained from scratch, nothing compiled
+    again = run("machine-c", 0, resume="from-scratch", steps=4)
+    assert again["steps"] == 4 and any("compile cache:" in line for line in again["lines"]), again["lines"]
+    assert again["hit"] >= first["miss"] and again["miss"] == 0, again

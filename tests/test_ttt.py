@@ -62,12 +62,13 @@ def fast_loss(draft, head, pack, steps, attention="math", fused=True, docs=True,
     return model(ids[None], aux[None], pos[None], mask[None], tgt.probs, tgt.ids, doc[None] if docs else None)
 
 
-def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8, token_weights=None):
+def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8, token_weights=None, window=0):
     """Inference replayed: for every document, a causal prefill with a KV cache gives step 0; then
     for every row t, the cache is cut to rows 0..t and the draft decodes `steps - 1` more tokens
     (the true ones) at positions t+1, t+2, ... Each prediction is scored against the target's
     full-vocabulary softmax restricted to the draft vocabulary, computed here without chunks, and
-    weighted by `token_weights[predicted token]` when given."""
+    weighted by `token_weights[predicted token]` when given; `window`: the draft's sliding window, as the
+    KV cache of inference applies it."""
     ids, mask, pos, doc, aux, final = pack
     vocab = draft_to_target_ids(draft.d2t)
     logits = head.logits(final)  # [N, V]
@@ -80,10 +81,10 @@ def reference_loss(draft, head, pack, doc_lengths, steps, decay=0.8, token_weigh
     for L in doc_lengths:
         d_ids = ids[start:start + L]
         inp0 = torch.cat([d_ids[1:], torch.zeros(1, dtype=torch.long)])
-        cache = KVCache()
+        cache = KVCache(window)
         h0 = draft(inp0[None], draft.fuse(aux[start:start + L][None]), torch.arange(L)[None], cache)
         for t in range(L):
-            c = KVCache()
+            c = KVCache(window)
             for i in range(draft.config.num_hidden_layers):  # every layer's cache cut to rows 0..t
                 c.layer(i).k, c.layer(i).v = cache.layer(i).k[:, :, :t + 1], cache.layer(i).v[:, :, :t + 1]
             hidden = h0[:, t:t + 1]
@@ -245,6 +246,28 @@ def test_flex_matches_math_on_packed_documents(layers):
         lm, sm = fast_loss(draft, head, pack, 3, attention="math")
         lf, sf = fast_loss(draft, head, pack, 3, attention="flex")
     assert rel(lf, lm) < 1e-5 and torch.allclose(sf, sm, atol=1e-3)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_windowed_draft_trains_on_what_its_windowed_inference_sees(layers):
+    """--draft-window: the TTT unroll with a sliding window (one mask per step: step j's query sits j positions
+    further on) equals inference replayed with the windowed KV cache, in loss, statistics and gradients;
+    the window binds (the loss differs from full attention's), and flex's windowed masks equal math's."""
+    draft, head = make_setup(layers=layers)
+    steps, lengths = 3, [9, 7]
+    pack = make_pack(lengths, pad=4)
+    full_loss, _ = fast_loss(draft, head, pack, steps)
+    draft.config.sliding_window = 4
+    loss, stats = fast_loss(draft, head, pack, steps)
+    ref_loss, ref_stats = reference_loss(draft, head, pack, lengths, steps, window=4)
+    assert rel(loss, ref_loss) < 1e-5 and rel(loss, full_loss) > 1e-3
+    assert torch.allclose(stats, ref_stats, rtol=1e-5, atol=1e-4)
+    g_fast, g_ref = grads(draft, loss), grads(draft, ref_loss)
+    for name in g_ref:
+        assert rel(g_fast[name], g_ref[name]) < 1e-4, name
+    with torch.no_grad():
+        flex_loss, flex_stats = fast_loss(draft, head, pack, steps, attention="flex")
+    assert rel(flex_loss, loss.detach()) < 1e-5 and torch.allclose(flex_stats, stats, atol=1e-3)
 
 
 def test_ttt_attention_document_mask_flex_equals_math():

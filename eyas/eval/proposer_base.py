@@ -19,7 +19,7 @@ class DraftProposer:
         self.d2t_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)  # [V_d] target ids
 
     def new_cache(self) -> KVCache:
-        return KVCache()
+        return KVCache(self.draft.config.sliding_window)
 
     def _over_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """q [K, V_d] over the draft vocabulary -> [K, V] over the target's, as the verifier compares them."""

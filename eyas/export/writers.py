@@ -119,6 +119,10 @@ def _check_exportable(cfg: DraftConfig, fmt: str, num_speculative_tokens: int) -
         raise EyasError("this is an EAGLE-3.1 draft (fc_norm / norm_output); SGLang releases without those "
                         "switches skip the fc_norm tensors and feed the raw hidden state without a word. "
                         "Export --format vllm or speculators.")
+    if cfg.sliding_window and fmt != "vllm":
+        raise EyasError(f"this draft attends through a sliding window of {cfg.sliding_window} positions; only vLLM's "
+                        f"EAGLE-3 draft is known to serve it (its layer_types and sliding_window fields), and a {fmt} "
+                        "draft would attend to everything without a word: export --format vllm")
     if cfg.hidden_act != "silu":
         raise EyasError(f"hidden_act {cfg.hidden_act!r} is not supported by the engines' EAGLE-3 drafts (silu only)")
     if cfg.attention == "mla" and fmt == "speculators":
@@ -202,6 +206,9 @@ def vllm_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None 
         "norm_before_residual": False,
         "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
+        # vLLM's Llama attention takes a layer's window from these (indexed past the target's layers)
+        **({"layer_types": ["sliding_attention"] * cfg.num_hidden_layers, "sliding_window": cfg.sliding_window}
+           if cfg.sliding_window else {}),
         "eyas": _eyas_block(cfg, "vllm"),
     }
 

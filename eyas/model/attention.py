@@ -60,13 +60,18 @@ class TTTAttention(_PerLayer):
     and merges the few same-row keys of later steps through the returned log-sum-exp, so no key is
     ever copied or concatenated across steps, and every step calls the same compiled kernel with the
     same shapes; "auto" picks flex on CUDA. `steps` is accepted for compatibility and not needed.
-    `block_mask` (flex only): the mask of `document_ids` when the caller built it already.
+    `block_mask` (flex only): the mask of `document_ids` when the caller built it already (not with a window).
+    `window` W > 0 (a sliding-window draft): a query at position p sees keys at positions > p - W, as vLLM's
+    sliding window serves it: at step j (position t + j) the step-0 keys of rows > t + j - W, and always the
+    same-row keys of steps 1..j (W >= steps); one mask per step.
     A draft of several decoder layers calls `layer(i)` for each: same pattern and masks, its own keys.
     """
 
     def __init__(self, backend: str = "auto", steps: int | None = None,
-                 document_ids: torch.Tensor | None = None, block_mask: Any = None) -> None:
+                 document_ids: torch.Tensor | None = None, block_mask: Any = None, window: int = 0) -> None:
         self.backend = resolve_ttt_backend(backend)
+        self.window = window
+        self._window_masks: dict[tuple[str, int], Any] = {}  # (kind, step) -> the windowed mask of that step
         self.document_ids = document_ids
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -76,7 +81,7 @@ class TTTAttention(_PerLayer):
         self._later: list[TTTAttention] = []  # layers 1.. (layer 0 is this instance)
 
     def _spawn(self) -> TTTAttention:
-        return TTTAttention(self.backend, document_ids=self.document_ids)
+        return TTTAttention(self.backend, document_ids=self.document_ids, window=self.window)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _heads_last_layout(self._attend(q, k, v))
@@ -84,20 +89,31 @@ class TTTAttention(_PerLayer):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
+        step = len(self.keys) - 1
         if self.backend == "flex":
             return self._flex(q)
-        if len(self.keys) == 1:
-            if self.document_ids is None:
+        if step == 0:
+            if self.document_ids is None and not self.window:
                 return causal_attend(q, k, v)
             mask = self.dense_mask(q.shape[2], q.device)
             return F.scaled_dot_product_attention(q, _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]),
                                                   attn_mask=mask)
-        return _ttt_math(q, self.keys, self.values, self.dense_mask(q.shape[2], q.device))
+        return _ttt_math(q, self.keys, self.values, self.dense_mask(q.shape[2], q.device, step))
 
-    def dense_mask(self, T: int, device: torch.device) -> torch.Tensor:
-        """[B or 1, 1, T, T] bool: causal, and within the same document when documents are given."""
+    def dense_mask(self, T: int, device: torch.device, step: int = 0) -> torch.Tensor:
+        """[B or 1, 1, T, T] bool: causal, within the same document when documents are given, and inside the
+        window as step `step` sees it when there is one."""
         if self._parent is not None:
-            return self._parent.dense_mask(T, device)
+            return self._parent.dense_mask(T, device, step)
+        if self.window:
+            if ("dense", step) not in self._window_masks:
+                rows = torch.arange(T, device=device)
+                inside = (rows[:, None] - rows[None, :]) < self.window - step
+                self._window_masks["dense", step] = self._full_dense_mask(T, device) & inside
+            return self._window_masks["dense", step]
+        return self._full_dense_mask(T, device)
+
+    def _full_dense_mask(self, T: int, device: torch.device) -> torch.Tensor:
         if self._dense_mask is None:
             mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
             if self.document_ids is not None:
@@ -106,17 +122,24 @@ class TTTAttention(_PerLayer):
             self._dense_mask = mask
         return self._dense_mask
 
-    def block_mask(self, T: int, device: torch.device) -> Any:
-        """flex attention's mask: causal, and within the same document when documents are given."""
+    def block_mask(self, T: int, device: torch.device, step: int = 0) -> Any:
+        """flex attention's mask: causal, within the same document when documents are given, and inside the
+        window as step `step` sees it when there is one."""
         if self._parent is not None:
-            return self._parent.block_mask(T, device)
+            return self._parent.block_mask(T, device, step)
+        if self.window:
+            if ("block", step) not in self._window_masks:
+                docs = self.document_ids if self.document_ids is not None else torch.zeros(1, T, dtype=torch.long)
+                self._window_masks["block", step] = document_block_mask(docs.to(device), self.window - step)
+            return self._window_masks["block", step]
         if self._block_mask is None:
             self._block_mask = (_causal_block_mask(T, str(device)) if self.document_ids is None
                                 else document_block_mask(self.document_ids.to(device)))
         return self._block_mask
 
     def _flex(self, q: torch.Tensor) -> torch.Tensor:
-        out, lse = _flex_lse(q, self.keys[0], self.values[0], self.block_mask(q.shape[2], q.device))
+        mask = self.block_mask(q.shape[2], q.device, len(self.keys) - 1)
+        out, lse = _flex_lse(q, self.keys[0], self.values[0], mask)
         if len(self.keys) == 1:
             return out
         return _merge_same_row(q, out, lse, self.keys[1:], self.values[1:])
@@ -218,8 +241,9 @@ def _causal_block_mask(T: int, device: str):
     return create_block_mask(_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
-def document_block_mask(document_ids: torch.Tensor):
-    """Causal within each document of `document_ids` [B, T]."""
+def document_block_mask(document_ids: torch.Tensor, window: int = 0):
+    """Causal within each document of `document_ids` [B, T]; with `window` > 0, only keys less than `window`
+    rows back."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     doc = document_ids
@@ -227,10 +251,15 @@ def document_block_mask(document_ids: torch.Tensor):
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
+    limit = torch.full((), window, dtype=torch.long, device=doc.device)  # a tensor: one mask_mod for every step
+
+    def window_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < limit) & (doc[b, q_idx] == doc[b, kv_idx])
+
     B, T = doc.shape
     # compiled on CUDA: the eager builder materializes the [B, T, T] mask (GBs at T = 16k)
-    return create_block_mask(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=str(doc.device),
-                             _compile=doc.is_cuda)
+    return create_block_mask(window_mod if window else mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T,
+                             device=str(doc.device), _compile=doc.is_cuda)
 
 
 class _FixedPatternAttention:
@@ -343,10 +372,12 @@ class KVCache(_PerLayer):
     `attend` appends the new keys and attends over everything cached, with `mask` [B or 1, 1, T_new,
     S_total] (True = may attend) when given (tree drafting), else causal in the new rows. A draft of
     several decoder layers keeps one cache per layer (`layer(i)`); `mask`, `crop` and `keep` given to
-    this one apply to all of them.
+    this one apply to all of them. `window` W > 0 (a sliding-window draft): without a mask, a new row sees
+    only the cached entries less than W back (cache index = position, as in chain decoding).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0) -> None:
+        self.window = window
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
@@ -354,7 +385,7 @@ class KVCache(_PerLayer):
         self._later: list[KVCache] = []  # layers 1..
 
     def _spawn(self) -> KVCache:
-        return KVCache()
+        return KVCache(self.window)
 
     @property
     def length(self) -> int:
@@ -383,4 +414,7 @@ class KVCache(_PerLayer):
         if mask is None:
             S = self.k.shape[2]
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=past)
+            if self.window:
+                rows, cols = torch.arange(past, past + T, device=q.device), torch.arange(S, device=q.device)
+                mask &= (rows[:, None] - cols[None, :]) < self.window
         return F.scaled_dot_product_attention(q, _expand_kv(self.k, nh), _expand_kv(self.v, nh), attn_mask=mask)

@@ -272,12 +272,24 @@ def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_conf
         rope_scaling=scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
         hidden_act="silu",
+        sliding_window=_sliding_window(layer, where),
         target=str(block.get("target") or (c.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
                    or target or ""),
         target_num_layers=target_layers,
         target_config_sha256=str(block.get("target_config_sha256") or
                                  (target_config_sha256(target_config) if target_config is not None else "")),
     )
+
+
+def _sliding_window(layer: dict[str, Any], where: str) -> int:
+    """The draft's window as vLLM reads it (layer_types + sliding_window); 0 = full attention."""
+    kinds = set(layer.get("layer_types") or ["full_attention"])
+    if kinds == {"full_attention"}:
+        return 0
+    if kinds != {"sliding_attention"} or not layer.get("sliding_window"):
+        raise EyasError(f"{where}/config.json: layer_types {layer.get('layer_types')} with sliding_window "
+                        f"{layer.get('sliding_window')}: eyas' draft takes one window for every layer, or none")
+    return int(layer["sliding_window"])
 
 
 def _foreign_aux_ids(c: dict[str, Any], layout: str, where: str, target_layers: int) -> list[int]:

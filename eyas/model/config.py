@@ -119,6 +119,9 @@ class DraftOptions:
                                               help="mla: per-head query/key channels with rope (one rope key for all "
                                                    "heads).")
     mla_v_head_dim: int | None = option(None, show_default="the target's", help="mla: per-head value channels.")
+    draft_window: int = option(0, help="Sliding-window attention for the draft: each position sees only the last N "
+                               "positions (train, eval and the exported vLLM config); 0 = all of them. For long "
+                               "sequences: the draft's attention cost and its reach stop growing with the context.")
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1:
@@ -136,6 +139,11 @@ class DraftOptions:
         if self.family == "dflash" and self.block_size < 2:
             raise EyasError(f"--block-size must be >= 2 (the anchor and at least one proposed token), got "
                             f"{self.block_size}")
+        if self.draft_window < 0:
+            raise EyasError(f"--draft-window must be >= 0 (0 = full attention), got {self.draft_window}")
+        if self.draft_window and (self.family != "eagle3" or self.draft_attention != "llama"):
+            raise EyasError("--draft-window is a sliding window of an EAGLE-3 draft's Llama attention; a "
+                            f"{self.family} draft with {self.draft_attention} attention has none: drop it")
         self._check_mla()
 
     def _check_mla(self) -> None:
@@ -184,6 +192,7 @@ class DraftConfig:
     family: str = "eagle3"  # the draft family (eyas.model.families); absent in older drafts
     block_size: int = 0  # dflash: tokens per block, the anchor included
     mask_token_id: int = -1  # dflash, peagle: the token id of the open slots
+    sliding_window: int = 0  # the draft attends to the last this many positions; 0 = all (absent when 0)
     target: str = ""
     target_num_layers: int = 0
     target_config_sha256: str = ""
@@ -243,6 +252,7 @@ class DraftConfig:
             family=opts.family,
             block_size=opts.block_size if opts.family == "dflash" else 0,
             mask_token_id=opts.mask_token_id if opts.family in ("dflash", "peagle") else -1,
+            sliding_window=opts.draft_window,
             target=target,
             target_num_layers=int(c.num_hidden_layers),
             target_config_sha256=target_config_sha256(target_config),
@@ -266,6 +276,8 @@ class DraftConfig:
         if self.attention == "llama":
             for name in _MLA_FIELDS:
                 data.pop(name)
+        if not self.sliding_window:
+            data.pop("sliding_window")  # full attention reads (and fingerprints) as before windows existed
         return data
 
     def sha256(self) -> str:

@@ -89,6 +89,10 @@ class TrainOptions(DraftOptions, TrainConfig):
     def __post_init__(self) -> None:
         DraftOptions.__post_init__(self)
         TrainConfig.__post_init__(self)
+        if 0 < self.draft_window < self.ttt_steps:
+            raise EyasError(f"--draft-window {self.draft_window} is shorter than --ttt-steps {self.ttt_steps}: the "
+                            "draft's own tokens of one chain would fall out of its window; give at least "
+                            f"{self.ttt_steps}")
         if (self.store is None) == (self.prepared is None):
             raise EyasError("give exactly one of --store (offline) or --prepared (with --online)")
         if self.prepared is not None and not self.online:
@@ -278,14 +282,14 @@ class TrainRecipe:
         root = self.out / "train_state"
         progress: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "tokens": 0, "options_sha256": self.options_sha}
         ckpt = latest_checkpoint(root) if self.opts.resume else None
+        if trainer.compiled and (note := load_compile_cache(root)):  # a resumed or a repeated run: no compiling
+            self.say(note)
         if ckpt is not None:
             if read_json(ckpt / "progress.json").get("options_sha256") != self.options_sha:
                 raise EyasError(f"{ckpt} was written by a run with other data or options (or an older eyas): resume "
                                 "needs the same command (or drop --resume to start over)")
             progress = load_checkpoint(trainer, ckpt)
             self.say(f"resuming from {ckpt} (step {trainer.step}/{self.total})")
-            if trainer.compiled and (note := load_compile_cache(root)):
-                self.say(note)
         elif self.info.is_main and root.exists():
             if self.opts.resume:
                 self.say(f"--resume: no checkpoint in {root}; starting from scratch")

@@ -100,7 +100,7 @@ class Trainer:
             and self.objective.graphable
         if cfg.cuda_graph and not can_graph:
             warnings.warn("--cuda-graph on needs one CUDA device, one process, no FSDP, --grad-accum 1 and an "
-                          "EAGLE-3 draft; training without CUDA graphs", stacklevel=3)
+                          "EAGLE-3 draft without --draft-window; training without CUDA graphs", stacklevel=3)
         return bool((cfg.cuda_graph if cfg.cuda_graph is not None else self.compiled) and can_graph)
 
     def _optimizer(self, graphed: bool) -> torch.optim.AdamW:

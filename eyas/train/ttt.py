@@ -133,7 +133,8 @@ class TTTModel(nn.Module):
         if self.cfg.reply_start_weight != 1.0:
             wvalid = wvalid * reply_start_weights(loss_mask.reshape(-1), docs.reshape(-1), S,
                                                   self.cfg.reply_start_weight, self.cfg.reply_start_tokens)
-        attend = TTTAttention(self.cfg.attention, document_ids=document_ids, block_mask=block_mask)
+        attend = TTTAttention(self.cfg.attention, document_ids=document_ids, block_mask=block_mask,
+                              window=draft.config.sliding_window)
         hidden = draft.fuse(aux_hidden)  # [B, T, H]
         outs = []
         for j in range(S):
