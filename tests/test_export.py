@@ -130,6 +130,38 @@ def test_two_layer_draft_round_trips_where_engines_build_it(tmp_path, target_dir
         export_draft(draft, tmp_path / "sglang", "sglang", ServeOptions(verifier=str(target_dir)))
 
 
+def test_a_drafts_sliding_window_round_trips_through_the_vllm_export_only(tmp_path, target_dir):
+    """`--draft-window N` lands in the draft's config (absent at 0: full-attention configs read as before),
+    in the vLLM export where vLLM's Llama attention reads it, and back on import; the formats not known to
+    serve it are refused rather than served with full attention; bad values are one clear error each."""
+    from eyas.model.config import DraftOptions
+    from eyas.recipes.train import TrainOptions
+
+    target_config = AutoConfig.from_pretrained(target_dir)
+    cfg = DraftConfig.from_target_config(target_config, [2, 4, 5], options=DraftOptions(draft_vocab_size=VD,
+                                                                                        draft_window=32))
+    assert cfg.sliding_window == 32 and cfg.to_dict()["sliding_window"] == 32
+    assert "sliding_window" not in DraftConfig.from_target_config(target_config, [2, 4, 5], VD).to_dict()
+    draft = make_draft(target_dir)
+    draft.config.sliding_window = 32
+    out = export_draft(draft, tmp_path / "vllm", "vllm", ServeOptions(verifier=str(target_dir), dtype="float32"))
+    config = read_config(out)
+    assert config["layer_types"] == ["sliding_attention"] and config["sliding_window"] == 32
+    assert import_draft(out, target=target_dir).config.sliding_window == 32
+    edit_config(out, lambda c: c.update(layer_types=["sliding_attention"], sliding_window=None))
+    with pytest.raises(EyasError, match="one window for every layer"):
+        import_draft(out, target=target_dir)
+    for fmt in ("sglang", "speculators"):
+        with pytest.raises(EyasError, match="sliding window of 32 positions.*export --format vllm"):
+            export_draft(draft, tmp_path / fmt, fmt, ServeOptions(verifier=str(target_dir)))
+    with pytest.raises(EyasError, match="--draft-window must be >= 0"):
+        DraftOptions(draft_window=-1)
+    with pytest.raises(EyasError, match="--draft-window is a sliding window of an EAGLE-3 draft"):
+        DraftOptions(draft_window=64, family="dflash")
+    with pytest.raises(EyasError, match="--draft-window 4 is shorter than --ttt-steps 7"):
+        TrainOptions(out=str(tmp_path / "run"), store=str(tmp_path), draft_window=4, ttt_steps=7)
+
+
 def test_bfloat16_export_keeps_maps_exact(tmp_path, target_dir):
     draft = make_draft(target_dir)
     out = export_draft(draft, tmp_path / "bf16", "vllm")  # default dtype: bfloat16
