@@ -216,6 +216,43 @@ def test_dynamic_tree_is_eagle2_selection(tiny):
     assert torch.allclose(scores[parents == 0].sort(descending=True).values, first.values, atol=1e-5)
 
 
+def test_a_windowed_drafts_tree_sees_what_its_chain_sees():
+    """--draft-window: a one-wide tree (top_k 1) follows the same path as the chain (the tree's context mask
+    applies the window from each depth's position, the chain's KV cache from its own), and the window
+    binds here (the chain without it proposes otherwise)."""
+    target, aux, _, seqs = target_and_continuations()
+    draft = make_draft(target, aux, 48, seqs, seed=1)
+    for p in draft.parameters():  # larger weights than the init: attention must matter
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    wrapped = HFTarget(target, aux)
+    prompt = seqs[0][:24]
+
+    def chain_and_tree(window: int) -> tuple[list[int], list[int]]:
+        draft.config.sliding_window = window
+        dec = SpeculativeDecoder(wrapped, draft)
+        out = []
+        for tree in (False, True):
+            logits, states = wrapped.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None],
+                                             wrapped.new_cache())
+            cache = dec.proposer.new_cache()
+            pending = torch.cat([torch.tensor(prompt[1:]), logits[-1].argmax().view(1)])
+            root, root_logits = dec.proposer._extend(cache, pending, states)
+            if tree:
+                tokens = dec.proposer._draft_tree(cache, root, root_logits, TreeSpec(5, 5, 1))[0]
+            else:
+                tokens = dec.proposer._draft_chain(cache, root, root_logits, 5, 0.0, 1.0, None)[0]
+            out.append(tokens.tolist())
+        return out[0], out[1]
+
+    with torch.inference_mode():
+        chain, tree = chain_and_tree(3)
+        full_chain, full_tree = chain_and_tree(0)
+    wrapped.close()
+    assert tree == chain and full_tree == full_chain
+    assert chain != full_chain
+
+
 def test_draft_cache_extend_in_pieces_equals_one_pass(tiny):
     draft = tiny["trained"]
     g = torch.Generator().manual_seed(3)

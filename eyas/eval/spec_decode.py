@@ -234,7 +234,10 @@ class Eagle3Proposer(DraftProposer):
         eye = torch.eye(k, dtype=torch.bool, device=dev)
         size = k
         for d in range(1, spec.depth):
-            cache.mask = torch.cat([torch.ones(k, L, dtype=torch.bool, device=dev), ancestors, eye], dim=1)[None, None]
+            context = torch.ones(k, L, dtype=torch.bool, device=dev)
+            if cache.window:  # a sliding-window draft: from position L - 1 + d, only the last `window` positions
+                context[:, : max(0, L + d - cache.window)] = False
+            cache.mask = torch.cat([context, ancestors, eye], dim=1)[None, None]
             positions = torch.full((1, k), L - 1 + d, device=dev)
             out, step_logits = self._draft_step(self.d2t_ids[frontier_tok][None], hidden, positions, cache)
             c_score, c_tok = torch.log_softmax(step_logits, dim=-1).topk(k, dim=-1)  # [k, k]
