@@ -36,7 +36,8 @@ One run measures:
    (eyas / peer: tok/s per round, and peak bytes reserved, the CUDA graph's pool included) and the goal:
    >= 1.25x the fastest peer case (bare or wrapped, named) on the 8B shape with no more reserved memory;
 5. the time to the first step: from building the trainer to the end of its first optimizer step (the
-   run's first case is what a fresh process pays, given the compile caches it finds on disk).
+   run's first case is what a fresh process pays, given the compile caches it finds on disk);
+6. with --profile VARIANT, where one eyas step's time goes (torch.profiler: the top kernels).
 Memory peaks count from the first step on, after both sides' setup (cache emptied, peaks reset).
 A peer version whose API cannot be driven gets one line saying why; the rest still runs.
 """
@@ -115,10 +116,9 @@ def release(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def eyas_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, warmup: int, ttt: int,
-              docs: int) -> dict:
-    """eyas' trainer on random states; first_s counts from building the trainer (compiling and capturing
-    included) to the end of its first optimizer step."""
+def eyas_step(shape: Shape, T: int, variant: str, dev: torch.device, ttt: int, docs: int):
+    """(step, start): one optimizer step of eyas' trainer on random states, per call; `start` is when the
+    trainer began to be built (compiling and capturing happen in its first steps)."""
     graphed = variant.startswith("graphed")
     cuda = dev.type == "cuda"
     attention = "flex" if cuda and not variant.endswith("math") else "math"
@@ -135,10 +135,36 @@ def eyas_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int,
             e = trainer.embed_table.index_select(0, b["input_ids"])
             b["input_embeds"] = e.pin_memory() if cuda else e
     turn = itertools.cycle(batches)
-    r = measure(lambda: trainer.train_step([next(turn)]), lambda stats: bool(torch.isfinite(stats).all()),
-                dev, T, steps, warmup, since=start)
+    return (lambda: trainer.train_step([next(turn)])), start
+
+
+def eyas_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, warmup: int, ttt: int,
+              docs: int) -> dict:
+    """eyas' trainer on random states; first_s counts from building the trainer (compiling and capturing
+    included) to the end of its first optimizer step."""
+    step, start = eyas_step(shape, T, variant, dev, ttt, docs)
+    r = measure(step, lambda stats: bool(torch.isfinite(stats).all()), dev, T, steps, warmup, since=start)
     r["tflops"] = draft_flops_per_token(draft_config(shape), T // docs, ttt) * r["tok_s"] / 1e12
     return r
+
+
+def print_profile(shape: str, T: int, variant: str, dev: torch.device, args: argparse.Namespace) -> None:
+    """Where one eyas step's time goes: torch.profiler over 3 steps after the warmup, the top 15 kernels (GPU)
+    or operators (CPU) by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, _ = eyas_step(SHAPES[shape], T, variant, dev, args.ttt, args.docs)
+    for _ in range(args.warmup):
+        step()
+    sync(dev)
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        for _ in range(3):
+            step()
+        sync(dev)
+    print(f"\nProfile: eyas {shape} {T} {variant}, 3 steps, top 15 by self {'CUDA' if cuda else 'CPU'} time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                    row_limit=15, max_name_column_width=60))
 
 
 def peer_case(shape: Shape, T: int, variant: str, dev: torch.device, steps: int, warmup: int, ttt: int,
@@ -334,6 +360,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--docs", type=int, default=1, help="documents packed per row in eyas' batches (1 = one "
                     "sequence, as the peer trains)")
+    ap.add_argument("--profile", metavar="VARIANT", help="also profile one eyas step of this variant (the first "
+                    "shape and sequence length): its top kernels")
     ap.add_argument("--no-check", action="store_true", help="skip the flex-vs-math and CUDA-graph-vs-eager checks")
     return ap.parse_args()
 
@@ -378,6 +406,9 @@ def main() -> None:
     peer_cases = [(s, T, f"{v}, {w}") for s, T, v, w in itertools.product(shapes, peer_tokens, peer_variants, wraps)]
     eyas, peers = run_rounds(eyas_cases, peer_cases, dev, args)
     print_tables(eyas, peers, ceiling, dev)
+    if args.profile:
+        release(dev)
+        print_profile(shapes[0], tokens[0], args.profile, dev, args)
     print_goal(eyas, peers, "tiny" if args.smoke else "llama8b")
     if eyas and not eyas[0]["error"]:
         print(f"Time to the first step: {eyas[0]['first_s']:.1f}s in the run's first case ({eyas[0]['shape']}, "

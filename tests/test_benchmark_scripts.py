@@ -214,3 +214,20 @@ def test_extract_benchmark_draws_every_row_and_pairs_its_ratios(tmp_path):
     assert "| 1.00 (1.00-1.00, 2 runs) |" in rows["bare forward"]
     assert "| 1.00 (1.00-1.00, 2 runs) |" in rows["naive e2e (torch.save)"]
     assert not list(tmp_path.iterdir())  # every store is gone
+
+
+def test_train_benchmark_without_a_peer_reports_mfu_first_step_and_a_profile():
+    """`benchmarks/train.py --smoke --profile eager` with no peer: eyas' row (median of one draw, MFU against
+    the ceiling measured in the run, the time to its first step), the goal not judged, and where one
+    step's time goes (the profiler's top operators, matrix products among them)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train.py"), "--smoke", "--repeats", "1", "--profile", "eager"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)})
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in out.splitlines() if line.startswith("| tiny | 256 | eager | "))
+    assert "(1 run)" in row and "% (1 run)" in row and "| yes |" in row
+    assert "256 tokens: no peer ran (--peer-src), not judged" in out
+    assert "Time to the first step: " in out
+    profile = out[out.index("Profile: eyas tiny 256 eager, 3 steps"):]
+    assert "aten::mm" in profile
