@@ -1,5 +1,5 @@
-"""eyas eval around the decoder: prompt sets, the CLI end to end with reuse and resume, clear errors,
-and vLLM's acceptance counters against eyas'."""
+"""eyas eval around the decoder: prompt sets, the CLI end to end with reuse and resume, clear errors.
+(vLLM's acceptance counters against eyas': tests/test_eval_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
-from _eval_utils import capture, make_draft, train_draft
+from _eval_utils import make_draft
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eyas.eval import (
     BASELINE,
     EvalResult,
     TreeSpec,
-    evaluate_draft,
 )
 from eyas.eval.prompts import chat_file_set, humaneval_set, load_prompt_sets, mtbench_set, render_prompt
 from eyas.eval.report import write_report
@@ -191,47 +190,3 @@ def test_tree_spec_parsing():
 def test_evalresult_rejects_foreign_json():
     with pytest.raises(EyasError):
         EvalResult.from_dict({"format": "something-else"})
-
-
-@pytest.mark.vllm
-def test_vllm_backend_counts_what_the_hf_backend_counts(tmp_path, smollm2_dir):
-    """`--backend vllm` on a tiny target with a draft trained on its answers: vLLM's own acceptance counters
-    give the same steps and accepted-per-position as eyas' chain decoding, and the same greedy text.
-    Runs in the vLLM venv:
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -m vllm tests/test_eval_cli.py"""
-    pytest.importorskip("vllm")
-    from eyas.eval.prompts import PromptItem, PromptSet
-    from eyas.eval.vllm_backend import evaluate_with_vllm
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    pset = PromptSet("mini", [PromptItem("a", ["Write a haiku about the sea.", "Now one about hills."]),
-                              PromptItem("b", ["What is 17 times 23?"])])
-    # a draft that accepts often: trained on the target's greedy answers to these very prompts
-    base = evaluate_draft(model, tok, make_draft(model, [1, 2, 3], 512), pset, chain=[1], max_new_tokens=24,
-                          progress=False)
-    answers = {(r["item"], r["turn"]): r for r in base.records if r["method"] == BASELINE}
-    seqs = []
-    for item in pset.items:
-        msgs = []
-        for t, turn in enumerate(item.turns):
-            msgs.append({"role": "user", "content": turn})
-            seqs.append(render_prompt(tok, msgs) + answers[(item.id, t)]["answer_ids"])
-            msgs.append({"role": "assistant", "content": answers[(item.id, t)]["answer"]})
-    draft = make_draft(model, [1, 2, 3], 512, seqs)
-    train_draft(draft, capture(model, seqs, [1, 2, 3]), steps=150)
-    draft.config.target = str(tmp_path / "target")
-    draft.save_pretrained(tmp_path / "draft")
-    mine = evaluate_draft(model, tok, draft, pset, chain=[3], max_new_tokens=24, progress=False).table()["all"]
-    theirs = evaluate_with_vllm(str(tmp_path / "target"), str(tmp_path / "draft"), [pset], [3], 0.0, 1.0, 24,
-                                log=lambda s: None).table()["all"]
-    assert theirs["chain-3"]["identical_to_target"] == 1.0
-    assert theirs[BASELINE]["new_tokens"] == mine[BASELINE]["new_tokens"]
-    assert theirs["chain-3"]["accept_hist"] == mine["chain-3"]["accept_hist"], (theirs["chain-3"], mine["chain-3"])
-    assert mine["chain-3"]["tau"] > 2.0

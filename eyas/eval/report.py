@@ -3,7 +3,8 @@
     write_report(result, "eval/", label="my-draft", compare=[("baseline-draft", load_report("old/report.json"))])
 
 Plots (matplotlib Agg, no display needed): acceptance by draft position, tau by prompt set,
-tau and speedup against chain length K. Compared runs are drawn dashed / hatched on the same axes.
+tau and speedup against chain length K, and (when several batch sizes were measured) the serving
+curve: tokens/s and speedup against batch size. Compared runs are drawn dashed / hatched on the same axes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from eyas.eval.metrics import BASELINE
 from eyas.eval.runner import EvalResult
+from eyas.eval.serving import batch_sizes_of, is_curve
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json, atomic_write_text, read_json
 
 Compared = Sequence[tuple[str, EvalResult]]
@@ -91,8 +93,27 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
                   f"{meta['dtype']}, verifying several tokens in one forward rounds differently from decoding one "
                   "token at a time, and a near-tie argmax can flip even where no draft token is accepted. "
                   "Rerun with `--dtype float32` to check exactness.", ""]
-    lines += ["Plots: `acceptance_by_position.png`, `tau_by_prompt_set.png`, `tau_vs_k.png`.", ""]
+    if is_curve(result.serving):
+        lines += serving_table(result.serving)
+    lines += ["Plots: `acceptance_by_position.png`, `tau_by_prompt_set.png`, `tau_vs_k.png`"
+              + (", `serving_curve.png`" if is_curve(result.serving) else "") + ".", ""]
     return "\n".join(lines)
+
+
+def serving_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The serving curve as Markdown: one row per batch size and method."""
+    lines = ["## Serving curve (all sets)", "",
+             "Every method and the target alone decode the same prompts with this many requests in flight; "
+             "tok/s counts all of them over the wall-clock time, and speedup is against the target alone at the "
+             "same batch size.", "",
+             "| batch size | method | tok/s | speedup | tokens / target forward |",
+             "| ---: | --- | ---: | ---: | ---: |"]
+    for b in batch_sizes_of(rows):
+        for r in (r for r in rows if r["batch_size"] == b):
+            lines.append(f"| {b} | {r['method']} | {_fmt(r['tokens_per_s'], '.1f')} | "
+                         f"{_fmt(r['speedup'])}{'x' if r['speedup'] is not None else ''} | "
+                         f"{_fmt(r['tokens_per_forward'])} |")
+    return [*lines, ""]
 
 
 # -- plots ------------------------------------------------------------------------------------------
@@ -234,9 +255,46 @@ def plot_tau_vs_k(result: EvalResult, path: Path, label: str, compare: Compared 
     plt.close(fig)
 
 
+def plot_serving_curve(result: EvalResult, path: Path, label: str, compare: Compared = ()) -> None:
+    """Tokens/s and speedup against batch size, one line per method (the target alone dashed)."""
+    plt = _plt()
+    rows = result.serving
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colors = _colors(methods)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for m in methods:
+        pts = sorted((r["batch_size"], r["tokens_per_s"], r["speedup"]) for r in rows if r["method"] == m)
+        style = "--" if m == BASELINE else "-"
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=colors[m], label=m)
+        sped = [(b, s) for b, _, s in pts if s is not None and m != BASELINE]
+        if sped:
+            axes[1].plot([p[0] for p in sped], [p[1] for p in sped], style, marker="o", color=colors[m], label=m)
+            for x, y in sped:
+                axes[1].annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                                 fontsize=7)
+    axes[0].set_ylabel("tokens/s (all requests)")
+    axes[0].set_title("Throughput against batch size")
+    axes[1].set_ylabel("speedup vs the target alone")
+    axes[1].set_title("Speedup against batch size")
+    axes[1].axhline(1.0, color="gray", linewidth=0.8)
+    sizes = batch_sizes_of(rows)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size (requests in flight)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"Serving curve: {label}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def write_report(result: EvalResult, out_dir: str | Path, label: str = "this run", compare: Compared = (),
                  extra: dict[str, Any] | None = None) -> Path:
-    """report.json, report.md and three PNG plots into out_dir (each written atomically)."""
+    """report.json, report.md and the PNG plots (three, four with a serving curve) into out_dir, each
+    written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = result.to_dict()
@@ -253,8 +311,11 @@ def write_report(result: EvalResult, out_dir: str | Path, label: str = "this run
         atomic_write_text(out / "report.md", markdown_summary(result, label, compare)
                           + "\n(no plots: matplotlib is not installed in this environment)\n")
         return out
-    for name, fn in (("acceptance_by_position.png", plot_acceptance_by_position),
-                     ("tau_by_prompt_set.png", plot_tau_by_prompt_set), ("tau_vs_k.png", plot_tau_vs_k)):
+    plots = [("acceptance_by_position.png", plot_acceptance_by_position),
+             ("tau_by_prompt_set.png", plot_tau_by_prompt_set), ("tau_vs_k.png", plot_tau_vs_k)]
+    if is_curve(result.serving):
+        plots.append(("serving_curve.png", plot_serving_curve))
+    for name, fn in plots:
         with atomic_path(out / name) as tmp:
             fn(result, tmp.with_suffix(".png"), label, compare)
     return out

@@ -36,6 +36,7 @@ class EvalResult:
     methods: list[str]  # decoding methods in run order, the target alone excluded
     sets: dict[str, dict[str, MethodStats]] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
+    serving: list[dict[str, Any]] = field(default_factory=list)  # rows of eyas.eval.serving, per batch size
 
     def overall(self) -> dict[str, MethodStats]:
         """All prompt sets merged."""
@@ -58,7 +59,7 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": "eyas.eval/1", "meta": self.meta, "methods": self.methods, "results": self.table(),
-                "records": self.records}
+                "serving": self.serving, "records": self.records}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvalResult:
@@ -66,7 +67,8 @@ class EvalResult:
             raise EyasError(f"not an eyas eval report (format {d.get('format')!r}, expected eyas.eval/1)")
         sets = {name: {m: MethodStats.from_dict(v) for m, v in stats.items()}
                 for name, stats in d["results"].items() if name != "all"}
-        return cls(meta=d["meta"], methods=d["methods"], sets=sets, records=d.get("records", []))
+        return cls(meta=d["meta"], methods=d["methods"], sets=sets, records=d.get("records", []),
+                   serving=d.get("serving", []))
 
 
 def check_draft_fits(draft: Eagle3Draft, target_model: torch.nn.Module) -> None:

@@ -5,6 +5,11 @@ first (its answers make MT-Bench's second turns, as in the hf backend), then one
 chain length K on the same prompts, one request at a time (batch 1, like the hf backend). tau and
 acceptance by position come from vLLM's own counters (`vllm:spec_decode_*`), so they are what
 vLLM reports in production. vLLM verifies chains only here: trees are measured with --backend hf.
+
+Batch sizes above 1 (`--batch-size 1,4,16`) are served the way a server sees them: every prompt of
+the run goes through vLLM's scheduler with at most that many requests in flight, a finished request
+making room for the next one, for the target alone and then each chain in the same instance as its
+batch-1 measurement. Each batch size gives one row per method of the serving curve (eyas.eval.serving).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from eyas.engines.vllm.runtime import import_vllm, llm_kwargs, run_llm
 from eyas.eval.metrics import BASELINE, MethodStats
 from eyas.eval.prompts import PromptSet, render_prompt
 from eyas.eval.runner import EvalResult
+from eyas.eval.serving import ServingRun, runs_of, serving_rows
 from eyas.eval.spec_decode import ChainSpec, Generation
 from eyas.utils.io import EyasError
 
@@ -53,8 +59,9 @@ def hist_from_counters(before: dict[str, Any], after: dict[str, Any], k: int) ->
 
 def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chains: list[int], temperature: float,
                        top_p: float, max_new_tokens: int, seed: int = 0, log: Callable[[str], None] = print,
-                       extra_llm_kwargs: dict[str, Any] | None = None) -> EvalResult:
-    """Chains of each K through vLLM and the target alone, on the same prompts; returns an EvalResult."""
+                       extra_llm_kwargs: dict[str, Any] | None = None, batch_sizes: list[int] = (1,)) -> EvalResult:
+    """Chains of each K through vLLM and the target alone, on the same prompts, at each batch size (requests in
+    flight); returns an EvalResult whose `serving` holds one row per batch size and method."""
     import torch
     from transformers import AutoTokenizer
 
@@ -72,6 +79,8 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
     cuda = torch.cuda.is_available()
     kwargs = llm_kwargs(target_path, seed, max_model_len=8192 if cuda else 2048, disable_log_stats=False)
     kwargs.update(extra_llm_kwargs or {})
+    if max(batch_sizes) > 128:  # below every platform's default: vLLM would hold the rest back
+        kwargs.setdefault("max_num_seqs", max(batch_sizes))
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
     methods = [ChainSpec(k) for k in chains]
     meta = {"backend": "vllm", "vllm": vllm.__version__, "temperature": temperature, "top_p": top_p,
@@ -79,7 +88,8 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
             "gpu": torch.cuda.get_device_name() if cuda else None, "dtype": str(kwargs.get("dtype", "auto")),
             "chain": chains, "tree": [], "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = EvalResult(meta=meta, methods=[m.name for m in methods])
-    measure = _VllmMeasurement(tokenizer, params, sets, result, greedy=temperature <= 0)
+    measure = _VllmMeasurement(tokenizer, params, sets, result, greedy=temperature <= 0,
+                               batch_sizes=sorted(batch_sizes))
     log("vllm: the target alone")
     run_llm(kwargs, measure.target_alone)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-vllm-") as tmp:
@@ -92,6 +102,7 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
             spec = {"method": writer.vllm_method, **writer.vllm_options, "model": str(draft_dir),
                     "num_speculative_tokens": m.k}
             run_llm({**kwargs, "speculative_config": spec}, partial(measure.chain, m))
+    result.serving = measure.serving_curve()
     return result
 
 
@@ -105,8 +116,10 @@ class _VllmMeasurement:
     sets: list[PromptSet]
     result: EvalResult
     greedy: bool
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
     # per set: (item id, turn, prompt ids, the target's tokens), filled by the target-alone run
     prompts: dict[str, list[tuple[str, int, list[int], list[int]]]] = field(default_factory=dict)
+    served: dict[int, list[ServingRun]] = field(default_factory=dict)  # batch size above 1 -> one run per method
 
     def generate(self, llm: Any, ids: list[int]) -> Generation:
         from vllm.inputs import TokensPrompt
@@ -142,6 +155,7 @@ class _VllmMeasurement:
                         "set": pset.name, "item": item.id, "turn": turn_idx, "method": BASELINE,
                         "prompt_tokens": len(ids), "new_tokens": gen.new_tokens, "seconds": round(gen.seconds, 6),
                         "target_forwards": gen.new_tokens, "accept_hist": [0], "identical": None, "answer": answer})
+        self.serve(llm, BASELINE, 0)
 
     def chain(self, m: ChainSpec, llm: Any) -> None:
         """Chain-of-K decoding of the target-alone run's prompts; acceptance from vLLM's counters."""
@@ -160,3 +174,55 @@ class _VllmMeasurement:
             after = spec_counters(llm)
             stats.accept_hist = hist_from_counters(before, after, m.k)
             stats.target_forwards = stats.steps + stats.generations  # verify steps + prefills
+        self.serve(llm, m.name, m.k)
+
+    def serve(self, llm: Any, method: str, k: int) -> None:
+        """Every prompt of the run at each batch size above 1: at most that many requests in flight in vLLM's
+        scheduler, a finished one replaced by the next waiting; tokens/s over the wall-clock time, and (a
+        chain of `k`) acceptance from vLLM's counters."""
+        prompts = [ids for rows in self.prompts.values() for _, _, ids, _ in rows]
+        for b in (b for b in self.batch_sizes if b > 1):
+            before = spec_counters(llm)
+            tokens, seconds = serve_in_flight(llm, prompts, self.params, b)
+            new = sum(len(t) for t in tokens)
+            run = ServingRun(method, new, seconds, 1.0 if not k else None)
+            if k:
+                stats = MethodStats(method, k, generations=len(prompts), new_tokens=new, seconds=seconds,
+                                    accept_hist=hist_from_counters(before, spec_counters(llm), k))
+                stats.target_forwards = stats.steps + stats.generations
+                run = ServingRun(method, new, seconds, stats.tokens_per_target_forward, stats.accept_rate_by_pos)
+            self.served.setdefault(b, []).append(run)
+
+    def serving_curve(self) -> list[dict[str, Any]]:
+        """The serving rows: batch 1 from the one-request-at-a-time measurement, the others from `serve`."""
+        rows = []
+        if 1 in self.batch_sizes:
+            rows += serving_rows(1, runs_of(self.result.overall()))
+        for b, runs in sorted(self.served.items()):
+            rows += serving_rows(b, runs)
+        return rows
+
+
+def serve_in_flight(llm: Any, prompts: list[list[int]], params: Any, in_flight: int) -> tuple[list[list[int]], float]:
+    """Every prompt through vLLM's scheduler with at most `in_flight` requests at once, as a server under that
+    much load sees them; returns each prompt's new tokens (in prompt order) and the wall-clock seconds."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    waiting = list(range(len(prompts)))[::-1]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+
+    def submit() -> None:
+        i = waiting.pop()
+        engine.add_request(f"eyas-serve-{in_flight}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+
+    for _ in range(min(in_flight, len(prompts))):
+        submit()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
+                if waiting:
+                    submit()
+    return tokens, time.perf_counter() - t0

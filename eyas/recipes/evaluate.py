@@ -45,6 +45,11 @@ class EvalOptions:
     max_prompts: int | None = option(None, help="Prompts per set (conversations; MT-Bench has 80).",
                                      show_default="all")
     max_turns: int = option(2, help="User turns per conversation.")
+    batch_sizes: list[int] = option(default_factory=lambda: [1], comma=True, flag="--batch-size",
+                                    help="Requests decoded together, comma-separated: each batch size measures "
+                                    "every method and the target alone on the same prompts, and several give the "
+                                    "serving curve (tokens/s and speedup against batch size). backend vllm: "
+                                    "requests in flight in vLLM's scheduler; backend hf: 1 only for now.")
     out: Path = option(Path("eval"), short="-o", help="Output folder for report.json, report.md and plots.")
     backend: Literal["hf", "vllm"] = option("hf", help="Who decodes: hf (transformers in this process, chains and "
                                             "trees) or vllm (vLLM's own EAGLE-3 decoding, chains).")
@@ -61,6 +66,8 @@ class EvalOptions:
     force: bool = option(False, help="Rerun even when --out is up to date.")
 
     def __post_init__(self) -> None:
+        from eyas.eval.serving import parse_batch_sizes
+
         if self.backend not in ("hf", "vllm"):
             raise EyasError(f"--backend {self.backend!r}: choose hf or vllm")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -69,6 +76,10 @@ class EvalOptions:
             raise EyasError("--max-new-tokens, --max-turns and --max-prompts must be >= 1")
         if not parse_chain(self.chain) and not parse_trees(self.tree):
             raise EyasError("nothing to measure: give --chain and/or --tree")
+        self.batch_sizes = parse_batch_sizes(self.batch_sizes)
+        if self.backend == "hf" and self.batch_sizes != [1]:
+            raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf backend decodes one "
+                            "prompt at a time; measure batch sizes above 1 with --backend vllm")
         if self.tp < 1 or (self.tp > 1 and self.backend != "vllm"):
             raise EyasError(f"--tp {self.tp}: tensor parallelism is vLLM's (--backend vllm); the hf backend runs the "
                             "target on one device")
@@ -156,7 +167,7 @@ def fingerprint(opts: EvalOptions, target_path: str) -> dict[str, Any]:
             "temperature": opts.temperature, "top_p": opts.top_p, "max_new_tokens": opts.max_new_tokens,
             "max_prompts": opts.max_prompts, "max_turns": opts.max_turns, "backend": opts.backend,
             "device": opts.device, "dtype": opts.dtype, "seed": opts.seed, "baseline": opts.baseline,
-            "format": FORMAT}
+            "format": FORMAT, **({"batch_sizes": opts.batch_sizes} if opts.batch_sizes != [1] else {})}
 
 
 def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) -> Any:
@@ -166,12 +177,17 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
 
     sets = load_prompt_sets(opts.prompts, opts.max_prompts, opts.max_turns)
     chains, trees = parse_chain(opts.chain), parse_trees(opts.tree)
+    turns = sum(s.num_turns for s in sets)
+    if max(opts.batch_sizes) > turns:
+        raise EyasError(f"--batch-size {max(opts.batch_sizes)}: the prompts give {turns} requests, too few to keep "
+                        f"that many in flight; raise --max-prompts or lower --batch-size")
     if opts.backend == "vllm":
         from eyas.eval.vllm_backend import evaluate_with_vllm
 
         result = evaluate_with_vllm(target_path, opts.draft, sets, chains, opts.temperature, opts.top_p,
                                     opts.max_new_tokens, opts.seed, log,
-                                    {"tensor_parallel_size": opts.tp, "trust_remote_code": opts.trust_remote_code})
+                                    {"tensor_parallel_size": opts.tp, "trust_remote_code": opts.trust_remote_code},
+                                    batch_sizes=opts.batch_sizes)
     else:
         from transformers import AutoTokenizer
 
@@ -191,6 +207,9 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
                                     temperature=opts.temperature, top_p=opts.top_p,
                                     max_new_tokens=opts.max_new_tokens, seed=opts.seed, baseline=opts.baseline,
                                     on_record=partial.append, done=done)
+        from eyas.eval.serving import runs_of, serving_rows
+
+        result.serving = serving_rows(1, runs_of(result.overall()))
     result.meta.update({"draft": opts.draft, "target": target_path, "prompts": opts.prompts})
     return result
 
