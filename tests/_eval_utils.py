@@ -95,3 +95,19 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def check_speed_words(words: str, report: dict) -> None:
+    """`eyas run`'s closing words name the speedup measured at each batch size (the fastest method's), and on a
+    CPU say why a draft that did not pay did not."""
+    from eyas.eval.serving import best_speedups
+
+    best = best_speedups(report["serving"])
+    assert best, report["serving"]
+    for b, m, s in best:
+        assert f"{s:.2f}x at batch size {b} ({m})" in words, (words, best)
+    assert f"on {report['meta'].get('gpu') or report['meta']['device']}" in words
+    cpu = report["meta"]["device"].startswith("cpu")
+    why = "on a CPU a forward over a few tokens costs far more than over one" in words
+    assert why == (cpu and any(s <= 1 for *_, s in best)), words
+    assert ("slower here" in words) == all(s <= 1 for *_, s in best), words

@@ -23,6 +23,7 @@ from eyas.eval import (
 )
 from eyas.eval.prompts import render_prompt
 from eyas.eval.report import load_report, markdown_summary, write_report
+from eyas.eval.serving import ServingRun, best_speedups, runs_of, serving_rows
 from eyas.eval.spec_decode import Generation
 from eyas.eval.target import cache_keep
 from eyas.model.attention import KVCache, TTTAttention
@@ -365,6 +366,31 @@ def test_report_json_markdown_plots_and_compare(tiny, tmp_path):
     next(iter(good.sets.values()))["chain-3"].identical -= 1
     assert "differ from the target's own (chain-3)" in markdown_summary(good)
     assert "--dtype float32" in markdown_summary(good)
+
+
+def test_serving_curve_rows_table_plot_and_round_trip(tiny, tmp_path):
+    """A measurement's rows (batch 1: the run's own table), rows of a larger batch, and their report: a table in
+    report.md, serving_curve.png, and report.json's `serving`, which a reread report keeps."""
+    res = evaluate_draft(tiny["target"], None, tiny["trained"], tiny["prompts"][:2], chain=[3], max_new_tokens=12,
+                         progress=False)
+    one = serving_rows(1, runs_of(res.overall()))
+    table = res.table()["all"]
+    assert [r["method"] for r in one] == [BASELINE, "chain-3"] and one[0]["speedup"] == pytest.approx(1.0)
+    assert one[1]["tokens_per_s"] == pytest.approx(table["chain-3"]["tok_s"])
+    assert one[1]["speedup"] == pytest.approx(table["chain-3"]["speedup"])
+    assert one[1]["tokens_per_forward"] == pytest.approx(table["chain-3"]["tokens_per_target_forward"])
+    assert one[1]["accept_rate_by_pos"] == table["chain-3"]["accept_rate_by_pos"]
+    four = serving_rows(4, [ServingRun("chain-3", 400, 2.0, 2.5), ServingRun(BASELINE, 400, 1.0, 1.0)])
+    assert [r["method"] for r in four] == [BASELINE, "chain-3"]  # the target alone first
+    assert four[1]["tokens_per_s"] == pytest.approx(200.0) and four[1]["speedup"] == pytest.approx(0.5)
+    assert best_speedups(one + four) == [(1, "chain-3", one[1]["speedup"]), (4, "chain-3", 0.5)]
+    res.serving = one + four
+    out = write_report(res, tmp_path / "curve", label="served")
+    md = (out / "report.md").read_text()
+    assert "## Serving curve" in md and "| 4 | chain-3 | 200.0 | 0.50x | 2.50 |" in md and "serving_curve.png" in md
+    w, h = _png_size(out / "serving_curve.png")
+    assert w >= 600 and h >= 300
+    assert load_report(out).serving == res.serving
 
 
 def test_eval_refuses_a_draft_for_another_target(tiny):

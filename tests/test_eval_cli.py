@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from _eval_utils import make_draft
+from _eval_utils import check_speed_words, make_draft
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eyas.eval import (
@@ -17,6 +19,7 @@ from eyas.eval import (
 )
 from eyas.eval.prompts import chat_file_set, humaneval_set, load_prompt_sets, mtbench_set, render_prompt
 from eyas.eval.report import write_report
+from eyas.recipes.run import in_words
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,6 +101,10 @@ def test_cli_eval_end_to_end_reuse_and_resume(tiny_folder, tmp_path):
     assert data["results"]["mtbench"]["chain-2"]["identical_to_target"] == 1.0
     assert len(data["records"]) == 2 * 2 * 4  # 2 questions x 2 turns x (target + 3 methods)
     assert (out / "tau_vs_k.png").is_file() and (out / "manifest.json").is_file()
+    # one request at a time: the serving rows are the batch-1 table's, and no curve is drawn
+    assert [(r["batch_size"], r["method"]) for r in data["serving"]] == [(1, m) for m in data["results"]["all"]]
+    assert not (out / "serving_curve.png").exists() and "Serving curve" not in (out / "report.md").read_text()
+    check_speed_words(in_words(data, {}, tmp_path), data)  # the quickstart's closing words, from this real run
     assert not (tmp_path / ("ev" + PARTIAL_SUFFIX)).exists()
     # MT-Bench turn 2 is asked after the model's own turn-1 answer, with the chat template
     tok = AutoTokenizer.from_pretrained(tiny_folder / "target")
@@ -169,6 +176,42 @@ def test_eval_resumes_after_a_torn_line_and_a_second_kill(tiny_folder, tmp_path,
     resumed = json.loads((tmp_path / "ev" / "report.json").read_text())
     assert len(resumed["records"]) == 16 and resumed["records"][:5] == kept
     assert not partial.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the words on a GPU need a GPU run")
+def test_closing_words_on_a_gpu_name_the_card_and_batch_size(tiny_folder, tmp_path):
+    """On a GPU the closing words give the speedup measured, at which batch size and on which card, without the
+    CPU's explanation."""
+    from eyas.recipes.evaluate import EvalOptions, run_eval
+
+    out = run_eval(EvalOptions(draft=str(tiny_folder / "draft"), model=str(tiny_folder / "target"), prompts="mtbench",
+                               chain="2", tree="none", max_new_tokens=16, max_prompts=2, device="cuda",
+                               out=tmp_path / "ev"), log=lambda s: None)
+    report = json.loads((out / "report.json").read_text())
+    words = in_words(report, {}, tmp_path)
+    check_speed_words(words, report)
+    assert torch.cuda.get_device_name() in words and "on a CPU" not in words
+
+
+def test_batch_sizes_are_checked_where_they_are_given(tiny_folder, tmp_path):
+    """--batch-size takes comma-separated whole numbers, each at most once; the hf backend takes 1 only, and a
+    batch larger than the run's requests is refused before anything loads."""
+    from eyas.recipes.evaluate import EvalOptions, run_eval
+
+    assert EvalOptions(draft="random").batch_sizes == [1]
+    assert EvalOptions(draft="random", backend="vllm", batch_sizes=[16, 1, "4"]).batch_sizes == [1, 4, 16]
+    for bad, message in (([0], "between 1 and"), ([1, 1], "given twice"), ([], "at least one"), ([2.5], "whole"),
+                         ([True], "whole")):
+        with pytest.raises(EyasError, match=message):
+            EvalOptions(draft="random", backend="vllm", batch_sizes=bad)
+    with pytest.raises(EyasError, match="the hf backend decodes one prompt at a time.*--backend vllm"):
+        EvalOptions(draft="random", batch_sizes=[1, 4])
+    res = subprocess.run([sys.executable, "-m", "eyas.cli", "eval", "--draft", "random", "--backend", "vllm",
+                          "--batch-size", "1,four"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--batch-size '1,four'" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    with pytest.raises(EyasError, match="--batch-size 8: the prompts give 2 requests"):
+        run_eval(EvalOptions(draft=str(tiny_folder / "draft"), model=str(tiny_folder / "target"), prompts="mtbench",
+                             max_prompts=1, backend="vllm", batch_sizes=[1, 8], out=tmp_path / "ev"))
 
 
 def test_eval_names_a_missing_draft_folder(tiny_folder, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _eval_utils import check_speed_words
 
 from eyas.recipes.run import in_words, load_config, plan_pipeline, run_pipeline
 from eyas.utils.io import EyasError, read_json
@@ -65,6 +66,7 @@ def test_tiny_pipeline_end_to_end_and_rerun_skips(tmp_path, smollm2_dir, capsys)
     assert (work / "eval" / "trained" / "report.md").is_file()
     assert summary["tau_trained"] and all(t >= 1.0 for t in summary["tau_trained"].values())
     assert summary["serve"].startswith("vllm serve") and "--speculative-config" in summary["serve"]
+    check_speed_words(summary["in_words"], read_json(work / "eval" / "trained" / "report.json"))
     state = read_json(work / "run_state.json")
     assert set(state) == {"prepare", "extract", "train", "export", "eval"}
     capsys.readouterr()
@@ -145,16 +147,22 @@ def test_yaml_reads_1e_4_as_text_and_the_schema_takes_it_as_the_number(tmp_path)
     assert opts.lr == 1e-4 and isinstance(opts.lr, float)
 
 
-def test_the_summary_in_words_says_whether_the_draft_paid_off(tmp_path):
-    """The end of `eyas run` says what tau means and whether decoding got faster, naming the best method."""
-    def report(speedups):
-        return {"meta": {"device": "cpu", "gpu": None, "target": "/c/SmolLM2-135M-Instruct"},
-                "results": {"all": {m: {"tau": t, "speedup": s} for m, (t, s) in speedups.items()}}}
-
-    slow = in_words(report({"chain-1": (1.16, 0.63), "tree-8:2:4": (1.39, 0.58)}), {"tree-8:2:4": 1.0}, tmp_path)
-    assert "1.39 tokens on average with tree-8:2:4" in slow and "untrained draft gave 1.00" in slow
-    assert "slower here: 0.63x" in slow and "(chain-1, cpu)" in slow and "verify_step.py" in slow
-    assert "configs/smollm2-quality.yaml" in slow
-    fast = in_words(report({"chain-3": (2.4, 1.7)}), {}, tmp_path)
-    assert "ran 1.70x as fast as the target alone on cpu" in fast and "slower" not in fast
+def test_the_summary_says_so_when_nothing_was_measured(tmp_path):
     assert "nothing to summarize" in in_words({"meta": {}, "results": {"all": {}}}, {}, tmp_path)
+
+
+def test_the_eval_section_takes_batch_sizes(tmp_path):
+    """`eval: {batch_sizes: ...}` is `eyas eval --batch-size`: the same parsing and the same checks, before any
+    stage runs."""
+    def eval_options(section: str):
+        path = tmp_path / "c.yaml"
+        path.write_text(f"target: smollm2\nworkdir: {tmp_path / 'w'}\neval:\n{section}")
+        return next(s for s in plan_pipeline(load_config(path), path) if s.name == "eval").options
+
+    assert eval_options("  backend: vllm\n  batch_sizes: 16, 1,4\n").batch_sizes == [1, 4, 16]
+    assert eval_options("  backend: vllm\n  batch_sizes: [1, 64]\n").batch_sizes == [1, 64]
+    assert eval_options("  chain: '3'\n").batch_sizes == [1]
+    with pytest.raises(EyasError, match=r"c.yaml: eval: --batch-size 1,4: the hf backend decodes one prompt"):
+        eval_options("  batch_sizes: 1,4\n")
+    with pytest.raises(EyasError, match=r"c.yaml: eval.*batch.size"):
+        eval_options("  backend: vllm\n  batch_sizes: [0]\n")

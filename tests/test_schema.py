@@ -27,6 +27,7 @@ class Demo:
     layers: list[int] | None = option(None, comma=True, help="Layer ids.", show_default="2,N//2,N-3")
     kwargs: dict[str, Any] = option(default_factory=dict, help="Template variables.")
     limit: int | None = option(None, help="Stop after N.", show_default="all")
+    sizes: list[int] = option(default_factory=lambda: [1], comma=True, flag="--size", help="Sizes.")
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -44,10 +45,11 @@ def invoke(*args: str) -> tuple[Any, Any]:
 
 def test_the_cli_builds_the_schema_with_its_types():
     result, opts = invoke("demo", "a.json", "b.json", "-o", "x", "--lr", "0.01", "--mode", "on", "--online",
-                          "--no-baseline", "--layers", "2,15,29", "--kwargs", '{"enable_thinking": false}')
+                          "--no-baseline", "--layers", "2,15,29", "--kwargs", '{"enable_thinking": false}',
+                          "--size", "1,4")
     assert result.exit_code == 0, result.output
     assert opts == Demo(inputs=["a.json", "b.json"], out=Path("x"), lr=0.01, mode="on", online=True, baseline=False,
-                        layers=[2, 15, 29], kwargs={"enable_thinking": False})
+                        layers=[2, 15, 29], kwargs={"enable_thinking": False}, sizes=[1, 4])
     result, opts = invoke("demo", "-o", "x")
     assert opts == Demo(out=Path("x"))  # every default is the schema's own
 
@@ -57,7 +59,8 @@ def test_the_cli_refuses_bad_values_clearly():
     assert result.exit_code == 2 and "sometimes" in result.output
     result, _ = invoke("demo", "--lr", "0.1")
     assert result.exit_code == 2 and "--out" in result.output  # required
-    for args, message in ((["--layers", "2,x"], "comma-separated values, each an integer"),
+    for args, message in ((["--layers", "2,x"], "--layers '2,x': expected comma-separated values, each an integer"),
+                          (["--size", "1,x"], "--size '1,x': expected"),  # the flag as spelled, not the field
                           (["--kwargs", "[1]"], "JSON object"), (["--lr", "-1"], "--lr must be > 0")):
         result, _ = invoke("demo", "-o", "x", *args)
         assert isinstance(result.exception, EyasError) and message in str(result.exception)

@@ -310,25 +310,51 @@ def in_words(report: dict[str, Any], tau_before: dict[str, float], export_dir: P
     lines = [f"What this means: each forward of the target produced {tau:.2f} tokens on average with {best} "
              f"(the target alone produces 1.00)"
              + (f"; the untrained draft gave {tau_before[best]:.2f}." if best in tau_before else ".")]
-    speed = {m: v["speedup"] for m, v in results.items() if isinstance(v.get("speedup"), (int, float))}
-    if speed:
-        fastest = max(speed, key=speed.get)
-        device = report["meta"].get("gpu") or report["meta"].get("device", "this machine")
-        if speed[fastest] > 1:
-            lines.append(f"Decoding with the draft ({fastest}) ran {speed[fastest]:.2f}x as fast as the target alone "
-                         f"on {device}, in the same engine on the same prompts.")
-        else:
-            lines.append(
-                f"Decoding with the draft was slower here: {speed[fastest]:.2f}x the target alone's speed at best "
-                f"({fastest}, {device}). A speedup needs more tokens per target forward than a verify step costs "
-                "in target-alone steps; on a CPU a forward over a few tokens costs far more than over one (small "
-                "matrix products run at vector speed), so a draft trained for minutes cannot pay for itself. "
-                f"`python benchmarks/verify_step.py --draft {export_dir / 'vllm'}` shows where the time goes.")
+    lines += speed_in_words(report, export_dir)
     if str(report["meta"].get("target", "")).rstrip("/").endswith("SmolLM2-135M-Instruct"):
         lines.append("The GPU recipe for this target, configs/smollm2-quality.yaml, trains a draft that reaches "
                      "3.51 tokens per forward (chain of 7) and 5.08 (tree) on all 80 MT-Bench questions "
                      "(docs/benchmarks.md).")
     return "\n".join(lines)
+
+
+def speed_in_words(report: dict[str, Any], export_dir: Path) -> list[str]:
+    """The measured speedup of the fastest method at each batch size, and, where the draft did not pay, why."""
+    from eyas.eval.serving import best_speedups
+
+    best = best_speedups(report.get("serving") or [])
+    if not best:  # a report without a serving curve (older, or --no-baseline): its batch-1 table
+        speed = {m: v["speedup"] for m, v in report["results"]["all"].items()
+                 if m != "target" and isinstance(v.get("speedup"), (int, float))}
+        best = [(1, max(speed, key=speed.get), speed[max(speed, key=speed.get)])] if speed else []
+    if not best:
+        return []
+    meta = report["meta"]
+    device = meta.get("gpu") or meta.get("device", "this machine")
+    on_cpu = not meta.get("gpu") and str(meta.get("device", "")).startswith("cpu")
+    at = [f"{s:.2f}x at batch size {b} ({m})" for b, m, s in best]
+    where = f"on {device}, in the same engine on the same prompts"
+    faster, slower = [b for b, _, s in best if s > 1], [b for b, _, s in best if s <= 1]
+    if not slower:
+        every = " at every batch size measured" if len(best) > 1 else ""
+        return [f"Decoding with the draft ran faster than the target alone{every}: {_joined(at)}, {where}."]
+    if faster:
+        lines = [f"Against the target alone, decoding with the draft ran {_joined(at)}, {where}: it paid at batch size "
+                 f"{_joined([str(b) for b in faster])}, not at {_joined([str(b) for b in slower])}. The more requests "
+                 "in flight, the less a target forward is bound by reading its weights, and the more the draft's "
+                 "extra tokens cost to verify."]
+    else:
+        lines = [f"Decoding with the draft was slower here than the target alone: {_joined(at)}, {where}."]
+    if on_cpu:
+        lines.append("A speedup needs more tokens per target forward than a verify step costs in target-alone steps; "
+                     "on a CPU a forward over a few tokens costs far more than over one (small matrix products run "
+                     "at vector speed), so a draft trained for minutes cannot pay for itself. "
+                     f"`python benchmarks/verify_step.py --draft {export_dir / 'vllm'}` shows where the time goes.")
+    return lines
+
+
+def _joined(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 @dataclass(kw_only=True)

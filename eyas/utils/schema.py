@@ -178,16 +178,17 @@ def cli_command(cls: type[T], run: Callable[[T], Any]) -> Callable[..., None]:
                                         default=_typer_param(f, hints[f.name], panel)))
 
     json_fields = {name for name, tp in hints.items() if _is_mapping(tp)}
-    comma_fields = {f.name for f in fields(cls) if f.metadata.get("comma")}
+    comma_fields = {f.name: f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+                    for f in fields(cls) if f.metadata.get("comma")}
 
     def command(**kwargs: Any) -> None:
-        for name in (json_fields | comma_fields) & set(kwargs):
+        for name in (json_fields | set(comma_fields)) & set(kwargs):
             if kwargs[name] is None:  # not given: the field's own default
                 del kwargs[name]
             elif name in json_fields:
                 kwargs[name] = _json_option(name, kwargs[name])
             else:
-                kwargs[name] = _comma_option(name, kwargs[name], hints[name])
+                kwargs[name] = _comma_option(comma_fields[name], kwargs[name], hints[name])
         run(cls(**kwargs))
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -207,7 +208,7 @@ def _cli_type(tp: Any) -> Any:
     return tp
 
 
-def _comma_option(name: str, text: str, tp: Any) -> list[Any]:
+def _comma_option(flag: str, text: str, tp: Any) -> list[Any]:
     """A list option given on the command line as "2,15,29", each item converted to the list's type."""
     args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     item = next((typing.get_args(a)[0] for a in args if typing.get_origin(a) is list and typing.get_args(a)), str)
@@ -215,7 +216,7 @@ def _comma_option(name: str, text: str, tp: Any) -> list[Any]:
     try:
         return [item(p) for p in parts]
     except ValueError:
-        raise EyasError(f"--{name.replace('_', '-')} {text!r}: expected comma-separated values, each "
+        raise EyasError(f"{flag} {text!r}: expected comma-separated values, each "
                         f"{type_name(item)} (e.g. 2,15,29)") from None
 
 
