@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from _eval_utils import capture, make_draft, train_draft
+from _eval_utils import capture, check_speed_words, make_draft, train_draft
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 
 from eyas.eval import BASELINE, PromptItem, PromptSet, evaluate_draft  # noqa: E402
 from eyas.eval.prompts import render_prompt  # noqa: E402
+from eyas.recipes.run import in_words  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
@@ -90,6 +91,9 @@ def test_vllm_serving_curve_at_each_batch_size(measured):
     md = (measured["out"] / "report.md").read_text()
     assert "## Serving curve" in md and f"| 4 | chain-{K} |" in md and f"| 4 | {BASELINE} |" in md
     assert json.loads((measured["out"] / "manifest.json").read_text())["options"]["batch_sizes"] == BATCH_SIZES
+    words = in_words(report, {}, measured["out"])  # eyas run's closing words, from this run's report
+    check_speed_words(words, report)
+    assert "at batch size 4" in words
 
 
 def test_eyas_and_vllm_agree_on_acceptance_by_position(measured):
