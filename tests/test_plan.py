@@ -151,3 +151,18 @@ def test_eyas_run_trains_in_two_gloo_processes(tmp_path, smollm2_dir):
     run_pipeline(load_config(path), path)
     manifest = read_json(tmp_path / "run" / "train" / "manifest.json")
     assert manifest["options"]["world"] == 2 and manifest["complete"] and manifest["steps"] == 2
+
+
+def test_eval_batch_sizes_add_their_passes_to_the_plan(tmp_path):
+    """Each batch size above 1 decodes every prompt again: the plan counts it, and says so."""
+    def eval_block(batch_sizes):
+        cfg = {"target": "smollm2", "workdir": str(tmp_path / "w"),
+               "eval": {"backend": "vllm", "batch_sizes": batch_sizes, "chain": "3", "tree": "none"}}
+        return plan_text(write(tmp_path, cfg), "--card", "H100").split("eval:")[1]
+
+    def tokens(block):
+        return int(block.split("Tokens: ")[1].split()[0].replace(",", ""))
+
+    one, three = eval_block([1]), eval_block([1, 4, 16])
+    assert "again at batch size 4, 16" in three and "again at batch size" not in one
+    assert tokens(three) == 3 * tokens(one) and one.split("Time: ")[1] != three.split("Time: ")[1]

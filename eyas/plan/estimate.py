@@ -378,11 +378,14 @@ def estimate_eval(ctx: Context, opts: Any, nproc: int) -> Estimate:
     decodes = convs * turns * (drafts * methods + int(opts.baseline))
     tokens = decodes * opts.max_new_tokens
     tok_s, how = rate("eval", opts.backend, ctx.card, ctx.target.shape.layers)
-    e = Estimate("eval", samples=convs, tokens=tokens, seconds=tokens / tok_s)
+    batched = [b for b in opts.batch_sizes if b > 1]  # each decodes every prompt again, batched: no slower
+    e = Estimate("eval", samples=convs, tokens=tokens * (1 + len(batched)), seconds=tokens / tok_s * (1 + len(batched)))
     e.memory = {"target": ctx.weights(opts.tp if opts.backend == "vllm" else 1), "draft": ctx.draft_weights}
     e.disk = {"reports and plots": drafts * 2**20, **({"draft-untrained": ctx.draft_weights} if drafts == 2 else {})}
     e.notes += [f"{decodes:,} decodes of up to {opts.max_new_tokens} tokens ({methods} methods x {drafts} draft(s)"
-                f"{' + the target alone' if opts.baseline else ''}), one at a time",
+                f"{' + the target alone' if opts.baseline else ''}), one at a time"
+                + (f"; again at batch size {', '.join(map(str, batched))}, counted at no faster than one at a time"
+                   if batched else ""),
                 f"time: {how}; decoding is launch-bound, so the work scales with decoder layers, not FLOPs"]
     return e
 
