@@ -27,7 +27,7 @@ from _reliability import BAD_INPUTS, STAGES, TABLE, BadInput, KillPoint, Outcome
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KILLPOINT = Path(__file__).parent / "_killpoint.py"
-TIMING = {"seconds", "elapsed", "tok_s", "tok_per_s", "speedup", "created", "in_words"}  # wall-clock
+TIMING = {"seconds", "elapsed", "tok_s", "tok_per_s", "tokens_per_s", "speedup", "created", "in_words"}  # wall-clock
 SPEED_PLOT = "tau_vs_k.png"  # its second panel plots the measured speedup
 OUTCOMES = Outcomes()
 
