@@ -380,6 +380,7 @@ def test_serving_curve_rows_table_plot_and_round_trip(tiny, tmp_path):
     assert one[1]["speedup"] == pytest.approx(table["chain-3"]["speedup"])
     assert one[1]["tokens_per_forward"] == pytest.approx(table["chain-3"]["tokens_per_target_forward"])
     assert one[1]["accept_rate_by_pos"] == table["chain-3"]["accept_rate_by_pos"]
+    assert one[1]["identical"] == table["chain-3"]["identical_to_target"] == 1.0
     four = serving_rows(4, [ServingRun("chain-3", 400, 2.0, 2.5), ServingRun(BASELINE, 400, 1.0, 1.0)])
     assert [r["method"] for r in four] == [BASELINE, "chain-3"]  # the target alone first
     assert four[1]["tokens_per_s"] == pytest.approx(200.0) and four[1]["speedup"] == pytest.approx(0.5)
@@ -387,7 +388,7 @@ def test_serving_curve_rows_table_plot_and_round_trip(tiny, tmp_path):
     res.serving = one + four
     out = write_report(res, tmp_path / "curve", label="served")
     md = (out / "report.md").read_text()
-    assert "## Serving curve" in md and "| 4 | chain-3 | 200.0 | 0.50x | 2.50 |" in md and "serving_curve.png" in md
+    assert "## Serving curve" in md and "| 4 | chain-3 | 200.0 | 0.50x | 2.50 | – |" in md and "serving_curve.png" in md
     w, h = _png_size(out / "serving_curve.png")
     assert w >= 600 and h >= 300
     assert load_report(out).serving == res.serving

@@ -84,6 +84,7 @@ def test_vllm_serving_curve_at_each_batch_size(measured):
             assert r["speedup"] == pytest.approx(1.0) and r["tokens_per_forward"] == pytest.approx(1.0)
         else:
             assert r["speedup"] > 0 and 1.0 < r["tokens_per_forward"] <= K + 1, r
+            assert r["identical"] == 1.0, r  # greedy: the target's own answers, with 4 requests in flight too
     one = {r["method"]: r for r in rows if r["batch_size"] == 1}
     results = report["results"]["all"]
     assert one[f"chain-{K}"]["tokens_per_s"] == pytest.approx(results[f"chain-{K}"]["tok_s"])

@@ -106,13 +106,14 @@ def serving_table(rows: Sequence[dict[str, Any]]) -> list[str]:
              "Every method and the target alone decode the same prompts with this many requests in flight; "
              "tok/s counts all of them over the wall-clock time, and speedup is against the target alone at the "
              "same batch size.", "",
-             "| batch size | method | tok/s | speedup | tokens / target forward |",
-             "| ---: | --- | ---: | ---: | ---: |"]
+             "| batch size | method | tok/s | speedup | tokens / target forward | identical to target |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for b in batch_sizes_of(rows):
         for r in (r for r in rows if r["batch_size"] == b):
+            same = r.get("identical")
             lines.append(f"| {b} | {r['method']} | {_fmt(r['tokens_per_s'], '.1f')} | "
                          f"{_fmt(r['speedup'])}{'x' if r['speedup'] is not None else ''} | "
-                         f"{_fmt(r['tokens_per_forward'])} |")
+                         f"{_fmt(r['tokens_per_forward'])} | {'–' if same is None else format(same, '.0%')} |")
     return [*lines, ""]
 
 

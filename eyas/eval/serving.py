@@ -11,7 +11,7 @@ measurement is one row of the report's `serving` list:
 `speedup` is against the target alone at the same batch size (None without it); `tokens_per_forward`
 is new tokens per target forward where counted (None otherwise). A speculative method's row may also
 hold `accept_rate_by_pos`: the share of its verify steps that accepted at least j draft tokens, at
-that batch size.
+that batch size, and `identical`: the share of its greedy answers token for token the target alone's.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class ServingRun:
     seconds: float
     tokens_per_forward: float | None = None
     accept_rate_by_pos: list[float] | None = None
+    identical: float | None = None  # greedy: share of answers identical to the target alone's
 
 
 def parse_batch_sizes(values: Sequence[Any], flag: str = "--batch-size") -> list[int]:
@@ -66,6 +67,8 @@ def serving_rows(batch_size: int, runs: Sequence[ServingRun]) -> list[dict[str, 
                "speedup": rate / base_rate if base_rate else None, "tokens_per_forward": r.tokens_per_forward}
         if r.accept_rate_by_pos is not None:
             row["accept_rate_by_pos"] = r.accept_rate_by_pos
+        if r.identical is not None:
+            row["identical"] = r.identical
         rows.append(row)
     return rows
 
@@ -74,7 +77,8 @@ def runs_of(stats: dict[str, MethodStats]) -> list[ServingRun]:
     """One ServingRun per method of a batch-1 measurement, whose generations ran one after another (so the
     sum of their times is the wall-clock time)."""
     return [ServingRun(name, s.new_tokens, s.seconds, s.tokens_per_target_forward,
-                       s.accept_rate_by_pos if s.max_accept else None) for name, s in stats.items()]
+                       s.accept_rate_by_pos if s.max_accept else None,
+                       s.identical / s.compared if s.compared else None) for name, s in stats.items()]
 
 
 def batch_sizes_of(rows: Sequence[dict[str, Any]]) -> list[int]:

@@ -180,17 +180,20 @@ class _VllmMeasurement:
         """Every prompt of the run at each batch size above 1: at most that many requests in flight in vLLM's
         scheduler, a finished one replaced by the next waiting; tokens/s over the wall-clock time, and (a
         chain of `k`) acceptance from vLLM's counters."""
-        prompts = [ids for rows in self.prompts.values() for _, _, ids, _ in rows]
+        rows = [row for rows in self.prompts.values() for row in rows]
+        prompts = [ids for _, _, ids, _ in rows]
         for b in (b for b in self.batch_sizes if b > 1):
             before = spec_counters(llm)
             tokens, seconds = serve_in_flight(llm, prompts, self.params, b)
             new = sum(len(t) for t in tokens)
+            same = sum(t == ref for t, (*_, ref) in zip(tokens, rows, strict=True)) / len(rows) if k and self.greedy \
+                else None
             run = ServingRun(method, new, seconds, 1.0 if not k else None)
             if k:
                 stats = MethodStats(method, k, generations=len(prompts), new_tokens=new, seconds=seconds,
                                     accept_hist=hist_from_counters(before, spec_counters(llm), k))
                 stats.target_forwards = stats.steps + stats.generations
-                run = ServingRun(method, new, seconds, stats.tokens_per_target_forward, stats.accept_rate_by_pos)
+                run = ServingRun(method, new, seconds, stats.tokens_per_target_forward, stats.accept_rate_by_pos, same)
             self.served.setdefault(b, []).append(run)
 
     def serving_curve(self) -> list[dict[str, Any]]:

@@ -209,7 +209,7 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
                                     on_record=partial.append, done=done)
         from eyas.eval.serving import runs_of, serving_rows
 
-        result.serving = serving_rows(1, runs_of(result.overall()))
+        result.serving = result.serving or serving_rows(1, runs_of(result.overall()))
     result.meta.update({"draft": opts.draft, "target": target_path, "prompts": opts.prompts})
     return result
 
