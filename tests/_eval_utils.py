@@ -99,7 +99,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def check_speed_words(words: str, report: dict) -> None:
     """`eyas run`'s closing words name the speedup measured at each batch size (the fastest method's), and on a
-    CPU say why a draft that did not pay did not."""
+    CPU where the draft paid at no batch size, say why."""
     from eyas.eval.serving import best_speedups
 
     best = best_speedups(report["serving"])
@@ -109,5 +109,5 @@ def check_speed_words(words: str, report: dict) -> None:
     assert f"on {report['meta'].get('gpu') or report['meta']['device']}" in words
     cpu = report["meta"]["device"].startswith("cpu")
     why = "on a CPU a forward over a few tokens costs far more than over one" in words
-    assert why == (cpu and any(s <= 1 for *_, s in best)), words
+    assert why == (cpu and all(s <= 1 for *_, s in best)), words
     assert ("slower here" in words) == all(s <= 1 for *_, s in best), words

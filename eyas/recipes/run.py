@@ -326,7 +326,8 @@ def speed_in_words(report: dict[str, Any], export_dir: Path) -> list[str]:
     if not best:  # a report without a serving curve (older, or --no-baseline): its batch-1 table
         speed = {m: v["speedup"] for m, v in report["results"]["all"].items()
                  if m != "target" and isinstance(v.get("speedup"), (int, float))}
-        best = [(1, max(speed, key=speed.get), speed[max(speed, key=speed.get)])] if speed else []
+        fastest = max(speed, key=speed.get) if speed else None
+        best = [(1, fastest, speed[fastest])] if fastest else []
     if not best:
         return []
     meta = report["meta"]
@@ -339,12 +340,11 @@ def speed_in_words(report: dict[str, Any], export_dir: Path) -> list[str]:
         every = " at every batch size measured" if len(best) > 1 else ""
         return [f"Decoding with the draft ran faster than the target alone{every}: {_joined(at)}, {where}."]
     if faster:
-        lines = [f"Against the target alone, decoding with the draft ran {_joined(at)}, {where}: it paid at batch size "
-                 f"{_joined([str(b) for b in faster])}, not at {_joined([str(b) for b in slower])}. The more requests "
-                 "in flight, the less a target forward is bound by reading its weights, and the more the draft's "
-                 "extra tokens cost to verify."]
-    else:
-        lines = [f"Decoding with the draft was slower here than the target alone: {_joined(at)}, {where}."]
+        return [f"Against the target alone, decoding with the draft ran {_joined(at)}, {where}: it paid at batch "
+                f"size {_joined([str(b) for b in faster])}, not at {_joined([str(b) for b in slower])}. The more "
+                "requests in flight, the less a target forward is bound by reading its weights, and the more the "
+                "draft's extra tokens cost to verify."]
+    lines = [f"Decoding with the draft was slower here than the target alone: {_joined(at)}, {where}."]
     if on_cpu:
         lines.append("A speedup needs more tokens per target forward than a verify step costs in target-alone steps; "
                      "on a CPU a forward over a few tokens costs far more than over one (small matrix products run "
