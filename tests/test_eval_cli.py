@@ -105,6 +105,8 @@ def test_cli_eval_end_to_end_reuse_and_resume(tiny_folder, tmp_path):
     assert [(r["batch_size"], r["method"]) for r in data["serving"]] == [(1, m) for m in data["results"]["all"]]
     assert not (out / "serving_curve.png").exists() and "Serving curve" not in (out / "report.md").read_text()
     check_speed_words(in_words(data, {}, tmp_path), data)  # the quickstart's closing words, from this real run
+    older = {k: v for k, v in data.items() if k != "serving"}  # a report written before the serving curve
+    assert in_words(older, {}, tmp_path) == in_words(data, {}, tmp_path)
     assert not (tmp_path / ("ev" + PARTIAL_SUFFIX)).exists()
     # MT-Bench turn 2 is asked after the model's own turn-1 answer, with the chat template
     tok = AutoTokenizer.from_pretrained(tiny_folder / "target")

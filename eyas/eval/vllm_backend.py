@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -59,7 +59,8 @@ def hist_from_counters(before: dict[str, Any], after: dict[str, Any], k: int) ->
 
 def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chains: list[int], temperature: float,
                        top_p: float, max_new_tokens: int, seed: int = 0, log: Callable[[str], None] = print,
-                       extra_llm_kwargs: dict[str, Any] | None = None, batch_sizes: list[int] = (1,)) -> EvalResult:
+                       extra_llm_kwargs: dict[str, Any] | None = None, batch_sizes: Sequence[int] = (1,)
+                       ) -> EvalResult:
     """Chains of each K through vLLM and the target alone, on the same prompts, at each batch size (requests in
     flight); returns an EvalResult whose `serving` holds one row per batch size and method."""
     import torch
@@ -79,7 +80,7 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
     cuda = torch.cuda.is_available()
     kwargs = llm_kwargs(target_path, seed, max_model_len=8192 if cuda else 2048, disable_log_stats=False)
     kwargs.update(extra_llm_kwargs or {})
-    if max(batch_sizes) > 128:  # below every platform's default: vLLM would hold the rest back
+    if max(batch_sizes) > 256:  # the LLM class's smallest default: more would wait in vLLM's queue
         kwargs.setdefault("max_num_seqs", max(batch_sizes))
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
     methods = [ChainSpec(k) for k in chains]
