@@ -49,7 +49,8 @@ class EvalOptions:
                                     help="Requests decoded together, comma-separated: each batch size measures "
                                     "every method and the target alone on the same prompts, and several give the "
                                     "serving curve (tokens/s and speedup against batch size). backend vllm: "
-                                    "requests in flight in vLLM's scheduler; backend hf: 1 only for now.")
+                                    "requests in flight in vLLM's scheduler; backend hf: 1 (it decodes one prompt "
+                                    "at a time).")
     out: Path = option(Path("eval"), short="-o", help="Output folder for report.json, report.md and plots.")
     backend: Literal["hf", "vllm"] = option("hf", help="Who decodes: hf (transformers in this process, chains and "
                                             "trees) or vllm (vLLM's own EAGLE-3 decoding, chains).")
