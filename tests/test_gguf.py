@@ -73,13 +73,22 @@ def test_a_gguf_transformers_cannot_read_is_refused_with_what_to_do(tmp_path, mo
 
 
 def test_a_target_folder_is_the_folder_and_an_unknown_name_says_what_to_pass(tmp_path, monkeypatch):
-    """model_folder (online training's clients, the vllm engine): a folder is itself; a name that is neither a
-    folder nor a cached hub id ends in one error naming it, whether or not a download is allowed."""
-    from eyas.assets import model_folder
+    """resolve_model (every command, online training's clients, the vllm engine): a folder is itself; a name that
+    is none of the four forms ends in one error naming it, offline or where the hub cannot be reached."""
+    from huggingface_hub import constants
 
-    assert model_folder(str(tmp_path)) == tmp_path
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here in any case: fail fast, the same way everywhere
-    for download, where in ((False, "nor a hub id in the local cache"), (True, "could not be fetched from the hub")):
-        with pytest.raises(EyasError, match=f"(?s)target 'no-org/no-such-model' is not a folder and {where} .*pass a "
-                                            "local folder with config.json"):
-            model_folder("no-org/no-such-model", download=download)
+    from eyas.assets import resolve_model
+
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(EyasError, match=r"(?s)target 'no-org/no-such-model' is not the alias smollm2, a folder or a "
+                                        r"GGUF file, nor a hub id in the local cache .*HF_HUB_OFFLINE is set.*hf "
+                                        "download no-org/no-such-model"):
+        resolve_model("no-org/no-such-model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the fetch fails at once
+    with pytest.raises(EyasError, match=r"(?s)nor a hub id in the local cache .*could not be fetched from the hub .*"
+                                        "Pass a local folder with config.json"):
+        resolve_model("no-org/no-such-model")

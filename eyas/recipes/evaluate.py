@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from eyas.assets import TARGET_FORMS
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json, fingerprint_path, read_json, sha256_json
 from eyas.utils.resume import PartialLog, up_to_date
 from eyas.utils.schema import cli_command, option
@@ -30,8 +31,7 @@ class EvalOptions:
     draft: str = option(help="Draft checkpoint folder (eyas, vLLM, speculators, SpecForge or EAGLE layout; also a "
                         "training checkpoint OUT/train_state/step-N while the run goes on), or `random` for an "
                         "untrained draft.")
-    model: str = option("smollm2", help="Target: `smollm2` (the embedded default), a local folder or a hub id in "
-                        "the local cache.")
+    model: str = option("smollm2", help=f"Target: {TARGET_FORMS}.")
     prompts: str = option("mtbench", help="Comma-separated prompt sets: mtbench (80 questions, both turns), "
                           "humaneval, sharegpt, dummy, a chat file `prepare` reads, or a prepared dataset folder (its "
                           "last samples); NAME=PATH names a file's set, e.g. mtbench=question.jsonl.")

@@ -1,5 +1,5 @@
 """Export a draft for serving with vLLM, SGLang or vLLM's speculators format; or import a foreign EAGLE-3 draft.
-A DFlash draft is written for vLLM and SGLang (eyas.export.dflash).
+A DFlash draft is written for vLLM and SGLang only.
 
 Each export folder holds config.json, model.safetensors and a README.md with the exact serve
 command. `--format all` writes one sub-folder per layout. With `--import`, DRAFT may be any EAGLE-3
@@ -16,6 +16,7 @@ from typing import Any, Literal
 import typer
 
 import eyas
+from eyas.assets import TARGET_FORMS, resolve_model, serving_name
 from eyas.export.writers import ServeOptions, export_draft, family_writer
 from eyas.model.checkpoints import import_draft
 from eyas.model.layouts import FORMATS
@@ -34,9 +35,10 @@ class ExportOptions:
                                                                       "writes one sub-folder per layout.")
     out: Path = option(short="-o", help="Output folder (with --format all, one sub-folder per format).")
     verifier: str | None = option(None, show_default="the target recorded at training",
-                                  help="The target's hub id or path as the serving engine should load it.")
-    model: Path | None = option(None, show_default="none", help="Target model folder: the draft is checked against "
-                                "it; it supplies an embedding or layer count a foreign checkpoint lacks.")
+                                  help="The target as the serving engine should load it: a hub id or folder is "
+                                  "written as given, the alias smollm2 or a GGUF file as its converted folder.")
+    model: str | None = option(None, show_default="none", help=f"Target: {TARGET_FORMS}. The draft is checked "
+                               "against it; it supplies an embedding or layer count a foreign checkpoint lacks.")
     dtype: Literal["bfloat16", "float16", "float32"] = option("bfloat16", help="Floating-point weights' dtype.")
     num_speculative_tokens: int = option(0, short="-k", show_default="0: 3 for EAGLE-3, block size - 1 for DFlash",
                                          help="Draft tokens per step written in configs and README.")
@@ -54,19 +56,26 @@ class ExportOptions:
                             f"{self.num_speculative_tokens}")
 
 
+def _read_draft(opts: ExportOptions) -> Any:
+    """DRAFT read (and checked against --model, resolved as every target is)."""
+    target = resolve_model(opts.model) if opts.model else None
+    return import_draft(opts.draft, target=target, aux_layer_ids=opts.aux_layers, layout=opts.layout)
+
+
 def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
     """Export the draft in `opts.format` (or all) under `opts.out`; returns the folders written or reused."""
     draft, out = Path(opts.draft), Path(opts.out)
     formats = list(FORMATS) if opts.format == "all" else [opts.format]
-    model = import_draft(draft, target=opts.model, aux_layer_ids=opts.aux_layers, layout=opts.layout)
+    model = _read_draft(opts)
     k = opts.num_speculative_tokens or family_writer(model.config).default_k(model.config)
-    serve = ServeOptions(verifier=opts.verifier, dtype=opts.dtype, num_speculative_tokens=k,
+    verifier = serving_name(opts.verifier) if opts.verifier else None
+    serve = ServeOptions(verifier=verifier, dtype=opts.dtype, num_speculative_tokens=k,
                          include_embedding=opts.embedding)
     fingerprint = fingerprint_path(draft)
     written = []
     for f in formats:
         dest = out / f if opts.format == "all" else out
-        options = {"draft": fingerprint, "format": f, "verifier": opts.verifier,
+        options = {"draft": fingerprint, "format": f, "verifier": verifier,
                    "target": str(opts.model) if opts.model else None, "dtype": opts.dtype,
                    "num_speculative_tokens": k, "include_embedding": opts.embedding,
                    "layout": opts.layout, "aux_layer_ids": opts.aux_layers, "eyas_version": eyas.__version__}
@@ -93,7 +102,7 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
 
 def run_import(opts: ExportOptions, log: Any = print) -> Path:
     """Read a foreign EAGLE-3 checkpoint and write it to `opts.out` in eyas' own layout (contract 3)."""
-    model = import_draft(opts.draft, target=opts.model, aux_layer_ids=opts.aux_layers, layout=opts.layout)
+    model = _read_draft(opts)
     model.save_pretrained(opts.out)
     cfg = model.config
     log(f"imported {opts.draft} -> {opts.out}: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}/"

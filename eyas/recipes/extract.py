@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import typer
 
+from eyas.assets import TARGET_FORMS
 from eyas.engines.base import (
     TargetEngine,
     default_aux_layer_ids,
@@ -227,8 +228,7 @@ class ExtractOptions:
 
     prepared: Path | None = option(None, help="Prepared dataset folder (from `eyas prepare`).")
     out: Path = option(help="Store folder to write (OUT.partial/ holds an unfinished run).")
-    model: str = option("smollm2", help="Target: a transformers folder, a hub id in the local cache, or `smollm2` "
-                        "(the embedded default).")
+    model: str = option("smollm2", help=f"Target: {TARGET_FORMS}.")
     engine: Literal["hf", "vllm"] = option("hf", help="What runs the target: hf (transformers in this process) or "
                                            "vllm (tensor parallel with --tp).")
     aux_layers: list[int] | None = option(None, comma=True, show_default="2,N//2,N-3",

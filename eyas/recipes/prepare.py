@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from eyas.assets import TARGET_FORMS
 from eyas.data.chat import ChatEncoder, Encoded
 from eyas.data.media import ImageEncoder, SampleMedia, has_images, target_image_token_ids
 from eyas.data.prepared import FORMAT, SHARD_TOKENS, PreparedDataset, PreparedWriter
@@ -48,8 +49,8 @@ class PrepareOptions:
 
     inputs: list[str] = option(default_factory=list, positional=True,
                                help="Chat files, saved datasets, hub names, or `sharegpt` / `dummy`.")
-    model: str = option("smollm2", short="-m", help="Target whose tokenizer and chat template to use: `smollm2`, "
-                        "a local folder or a hub id in the local cache.")
+    model: str = option("smollm2", short="-m", help="Target whose tokenizer and chat template to use: "
+                        f"{TARGET_FORMS}.")
     out: Path = option(Path("data/prepared"), short="-o", help="Output folder.")
     max_length: int = option(2048, help="Longest sample in tokens.")
     overlong: Literal["truncate", "drop"] = option("truncate", help="What happens to longer samples.")

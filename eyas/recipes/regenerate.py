@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import typer
 
+from eyas.assets import TARGET_FORMS
 from eyas.data.readers import SkipLog, Source, resolve_input
 from eyas.generate import GENERATORS, Sampling, Stats, generator_target, resolve_generator, run_generator
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json, sha256_json
@@ -36,7 +37,7 @@ class RegenerateOptions(Sampling):
     inputs: list[str] = option(positional=True, help="Chat data: .json/.jsonl (ShareGPT or OpenAI messages), parquet, "
                                "a saved dataset, or sharegpt/dummy.")
     out: Path = option(short="-o", help="Output JSONL of {'messages': [...]}, read by `eyas prepare`.")
-    model: str = option("smollm2", help="Target model folder or hub id in the local cache.")
+    model: str = option("smollm2", help=f"Target: {TARGET_FORMS}.")
     max_samples: int = option(0, help="Use only the first N conversations; 0 = all.")
     batch_size: int = option(0, help="Conversations per saved batch (the unit a killed run resumes from); "
                              "generators generate and vllm decode each round of a batch's turns together. 0 = 1024 on "

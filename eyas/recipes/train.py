@@ -1,4 +1,5 @@
-"""Train a draft model with training-time test (TTT).
+"""Train a draft model (EAGLE-3, DFlash or P-EAGLE) on the target's hidden states, each step unrolled over
+its own predictions as decoding feeds them (training-time test, TTT).
 
 Offline, from the hidden states `eyas extract` stored:
 
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 import typer
 
+from eyas.assets import TARGET_FORMS
 from eyas.model.config import MLA_DIMS, DraftConfig, DraftOptions
 from eyas.train.config import TrainConfig
 from eyas.utils.io import EyasError, atomic_write_json, fingerprint_path, read_json, sha256_json
@@ -52,7 +54,7 @@ class TrainOptions(DraftOptions, TrainConfig):
     prepared: Path | None = option(None, help="Prepared dataset from `eyas prepare` (with --online).")
     online: bool = option(False, help="Run the target in the loop instead of reading a store.")
     model: str | None = option(None, show_default="online: required; offline: the store's target",
-                               help="Target model folder or cached hub id.")
+                               help=f"Target: {TARGET_FORMS}.")
     engine: Literal["hf", "vllm"] = option("hf", help="What runs the target online: hf (transformers in this "
                                            "process) or vllm (tensor parallel with --tp).")
     tp: int = option(1, help="Online, vllm engine: tensor-parallel GPUs of the target. Under torchrun one target "

@@ -108,15 +108,20 @@ class _Session:
         self.last = {**self.last, "val": val}
 
     def warm_up(self) -> None:
-        """After the session's first step, which also compiled and captured graphs: rates and ETAs
+        """After the session's first step, which may also have compiled the draft: rates and ETAs
         count from here."""
         self.warm = time.perf_counter(), self.trainer.step
         if self.warm[0] - self.t0 >= START_UP_NOTE_S and self.show:
-            self.log(f"first step done after {self.warm[0] - self.t0:.0f}s of start-up (torch.compile, CUDA graph "
-                     "capture: once per run); tok/s and ETA count from here")
+            self.log(f"first step done after {self.warm[0] - self.t0:.0f}s of start-up ({start_up_work(self.trainer)}"
+                     "); tok/s and ETA count from here")
         self.session_tokens = self.window_tokens = 0
         self.tw = self.warm[0]
         self.bar.reset(self.task, total=self.total_steps, completed=self.trainer.step, tokens=0, info="")
+
+
+def start_up_work(trainer: Trainer) -> str:
+    """What a first step's start-up did on this run's device, in words: only what happened here."""
+    return "loading the first batches" + ("; torch.compile of the draft, once per run" if trainer.compiled else "")
 
 
 def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_per_epoch: int,

@@ -20,6 +20,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -343,7 +344,6 @@ def open_online_target(opts: Any, info: Any, lengths: Any, budget: int, engine: 
     served = spans and info.world > 1
     group = None
     if served:  # every rank: the spec, the layers and the head are rank 0's; the states travel on a group
-        from eyas.assets import model_folder
         from eyas.engines.head import read_target_head
         from eyas.train import distributed as D
 
@@ -353,7 +353,7 @@ def open_online_target(opts: Any, info: Any, lengths: Any, budget: int, engine: 
         if engine is not None and list(engine.aux_layer_ids) != aux_ids:
             raise EyasError(f"rank {info.rank}'s target captures layers {engine.aux_layer_ids}, rank 0's {aux_ids}")
         group = dist.new_group(backend="nccl" if info.device.type == "cuda" else "gloo")
-        head = read_target_head(model_folder(name))
+        head = read_target_head(Path(resolve_model(name)))
     else:
         spec, aux_ids, head = StateSpec.probe(engine), list(engine.aux_layer_ids), engine.target_head()
         name = getattr(engine, "model_name", model)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eyas.assets import model_folder
+from eyas.assets import resolve_model
 from eyas.data.media import SampleMedia
 from eyas.engines.base import Capture, TargetEngine, default_aux_layer_ids, validate_aux_layer_ids
 from eyas.engines.head import TargetHead, read_target_head
@@ -74,7 +74,7 @@ class VllmEngine(TargetEngine):
             raise EyasError(f"unknown vllm engine option(s) {unknown}; pass other vllm.LLM arguments in llm_kwargs")
         self.probe = probe_vllm(path=capture_path)
         self.path = self.probe.path if capture_path == "auto" else capture_path
-        self.model_dir = model_folder(model, download=True)
+        self.model_dir = Path(resolve_model(model))
         cfg = self._read_config(self.model_dir)
         if capture_path == "auto" and self.path == "native" and supports_eagle3(cfg) is False:
             # vLLM hands aux states only to models with its EAGLE-3 interface (not Gemma, Phi-3, ...)
