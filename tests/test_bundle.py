@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,7 +21,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eyas.recipes.bundle import BundleOptions, run_bundle
 from eyas.recipes.run import load_config, run_pipeline
-from eyas.utils.io import EyasError, read_json, sha256_file
+from eyas.utils.io import EyasError, human_bytes, read_json, sha256_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +59,7 @@ def test_a_bundled_run_killed_twice_ends_where_a_direct_run_ends(setup, tmp_path
     direct = load_file(str(root / "direct" / "train" / "draft" / "model.safetensors"))
 
     out = tmp_path / "b"
-    run_bundle(BundleOptions(config=config, out=out, workdir=False, part_mb=3), log=lambda m: None)
+    run_bundle(BundleOptions(config=config, out=out, workdir=False, part_mb=3, dependencies=False), log=lambda m: None)
     manifest = read_json(out / "manifest.json")
     assert {"config.yaml", "README.md", "assets/target/config.json", "assets/prompts/questions.jsonl"} <= \
         set(manifest["files"]) | {"manifest.json"}
@@ -93,12 +94,118 @@ def test_a_bundled_run_killed_twice_ends_where_a_direct_run_ends(setup, tmp_path
     assert taus[0] == taus[1]
 
 
-def test_bundle_refuses_what_cannot_travel(setup, tmp_path):
+def test_bundle_refuses_what_cannot_travel(setup, tmp_path, monkeypatch):
     root, config = setup
     bad = tmp_path / "hub.yaml"
     bad.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "target": "someorg/not-on-this-disk"}))
-    with pytest.raises(EyasError, match="is not a local folder"):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(EyasError, match="'someorg/not-on-this-disk' is not the alias .*nor a hub id in the local"):
         run_bundle(BundleOptions(config=bad, out=tmp_path / "x"), log=lambda m: None)
     assert not (tmp_path / "x").exists()
     with pytest.raises(EyasError, match="--part-mb must be >= 0"):
         BundleOptions(config=config, out=tmp_path / "y", part_mb=-1)
+
+
+@pytest.mark.parametrize("named", ["alias", "gguf"])
+def test_a_gguf_target_travels_as_the_gguf_and_the_total_size_is_printed(setup, tmp_path, named):
+    """The alias and a GGUF file travel as the GGUF (a third of the bf16 folder it converts to); on arrival
+    it resolves to the same model, and the closing line gives the bundle's total size and each part's."""
+    from eyas.assets import resolve_model, smollm2_gguf
+
+    root, config = setup
+    gguf = smollm2_gguf()
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()),
+                                    "target": "smollm2" if named == "alias" else str(gguf)}))
+    lines: list[str] = []
+    out = tmp_path / "b"
+    run_bundle(BundleOptions(config=path, out=out, workdir=False, dependencies=False), log=lines.append)
+    target = yaml.safe_load((out / "config.yaml").read_text())["target"]
+    assert target == f"assets/target/{gguf.name}"
+    assert sorted(p.name for p in (out / "assets" / "target").iterdir()) == [gguf.name]
+    assert sha256_file(out / target) == sha256_file(gguf)
+    converted = Path(resolve_model(str(out / target)))
+    assert read_json(converted / "config.json") == read_json(Path(resolve_model("smollm2")) / "config.json")
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    (line,) = lines
+    assets = sum(f.stat().st_size for f in (out / "assets").rglob("*") if f.is_file())
+    assert f"{human_bytes(total)} in all (" in line and f"assets/ {human_bytes(assets)}" in line, line
+
+
+def given_distributions(roots: list[str]) -> list:
+    """The installed distributions of `roots` and of all they require here (no extras), found in this venv."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    seen: dict[str, object] = {}
+    todo = list(roots)
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        dist = seen[name] = distribution(name)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(seen.values())
+
+
+def node_venv(where: Path, given: list[str]) -> Path:
+    """An empty venv (no pip, no setuptools of its own) that also sees `given` (and what they need) as installed,
+    through a .pth file naming a folder of links to this venv's copies: the node's own torch and transformers,
+    say. This venv's pip works on it with `pip --python`."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where / "node")], check=True,
+                   capture_output=True)
+    links = where / "given"
+    links.mkdir()
+    for dist in given_distributions(given):
+        for f in dist.files or []:
+            top = Path(f).parts[0]
+            if top != ".." and not (links / top).exists():
+                (links / top).symlink_to(Path(dist.locate_file(top)))
+    python = where / "node" / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert site != sysconfig.get_paths()["purelib"]
+    (Path(site) / "given.pth").write_text(f"{links}\n")
+    return python
+
+
+@pytest.mark.slow  # resolves eyas' tree against PyPI and downloads the missing wheels (a few MiB)
+def test_a_bundle_installs_into_an_empty_venv_without_an_index(setup, tmp_path):
+    """The node has Python with torch, transformers, datasets and matplotlib (and what they need) and no index:
+    the bundle brings exactly the rest, built for the node's Python and platform as named, and `pip install
+    --no-index` of it gives a working `eyas`."""
+    from packaging.tags import sys_tags
+
+    root, config = setup
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    python = node_venv(tmp_path, ["torch", "transformers", "datasets", "matplotlib"])
+    freeze = tmp_path / "node-freeze.txt"
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    freeze.write_text(subprocess.run([*pip, "freeze", "--all"], capture_output=True, text=True, check=True,
+                                     env=env).stdout)
+    has = {line.split("==")[0].lower() for line in freeze.read_text().splitlines()}
+    assert "torch" in has and not has & {"gguf", "accelerate"}, has
+    platform = next(t.platform for t in sys_tags() if t.platform.startswith("manylinux_2_"))
+    out = tmp_path / "b"
+    run_bundle(BundleOptions(config=config, out=out, workdir=False, node_packages=freeze, platform=[platform],
+                             python_version=f"{sys.version_info.major}.{sys.version_info.minor}"), log=print)
+    brought = {p.name.split("-")[0].lower() for p in (out / "wheels").glob("*.whl")}
+    assert {"eyas", "gguf", "accelerate"} <= brought and not brought & (has - {"eyas"}), brought
+    assert not brought & {"torch", "transformers", "numpy", "datasets", "pyarrow", "matplotlib"}, brought
+    assert "accelerate" in (out / "README.md").read_text()
+    install = subprocess.run([*pip, "install", "--no-index", "--find-links", str(out / "wheels"), "eyas"],
+                             capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    helped = subprocess.run([str(python.parent / "eyas"), "--help"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
+    assert helped.returncode == 0 and "bundle" in helped.stdout, helped.stderr[-2000:]
+    where = subprocess.run([str(python), "-c", "import eyas; print(eyas.__file__)"], capture_output=True, text=True,
+                           env=env, cwd=tmp_path).stdout
+    assert where.startswith(str(tmp_path / "node")), where

@@ -4,10 +4,15 @@ Clusters often reach no package index and kill jobs at a time limit. `eyas bundl
 a folder B that holds:
 
     config.yaml    the config, its paths pointing inside B (target, inputs, prompts, work folder)
-    assets/        the target's folder, the chat data and the prompt files the config names
-    wheels/        eyas as a wheel, plus any --wheel requirement (pip download, no dependencies)
+    assets/        the target in its smallest faithful form (a GGUF file as it is: eyas converts it on
+                   arrival; else its transformers folder), the chat data and the prompt files
+    wheels/        eyas as a wheel, and every package it (and any --wheel) needs that the node lacks,
+                   built for the node's Python (--python-version, --platform); torch and the CUDA
+                   libraries only with --with-torch
     work/          the run's work folder so far (finished stages, checkpoints, partial logs)
     README.md      the three commands that run it there; manifest.json: every file's size and sha256
+
+The total size, and each part's, is printed at the end.
 
 With --part-mb N, B is also written as tar parts of at most N MiB (B.tar.000, B.tar.001, ...) for
 transfers with a size limit; `cat B.tar.* | tar -x` puts the folder back. On the node, `eyas run
@@ -38,8 +43,19 @@ class BundleOptions:
 
     config: Path = option(positional=True, help="The `eyas run` config to bundle.")
     out: Path = option(short="-o", help="Bundle folder to write.")
-    wheel: list[str] = option(default_factory=list, show_default="none", help="Also bring this requirement as a "
-                              "wheel (pip download, no dependencies), e.g. gguf==0.10.0; repeatable.")
+    wheel: list[str] = option(default_factory=list, show_default="none", help="Also bring this requirement and "
+                              "what it needs, e.g. vllm==0.11.0; repeatable.")
+    python_version: str = option("", show_default="this Python's", help="The node's Python version, as pip "
+                                 "download takes it (e.g. 3.11): the wheels brought are built for it.")
+    platform: list[str] = option(default_factory=list, show_default="this machine's", help="The node's platform "
+                                 "tag, as pip download takes it (e.g. manylinux_2_28_x86_64; older glibc tags are "
+                                 "added); repeatable.")
+    node_packages: Path | None = option(None, show_default="none: bring all but torch", help="The node's `python "
+                                        "-m pip freeze --all` output: what it has is left out and its versions kept.")
+    dependencies: bool = option(True, help="Bring what eyas needs that the node lacks; --no-dependencies: eyas "
+                                "alone, for a node that has all of it.")
+    with_torch: bool = option(False, help="Also bring torch and the CUDA libraries it needs (nvidia-*, triton): "
+                              "gigabytes; a GPU node usually has its own build.")
     workdir: bool = option(True, help="Bring the run's work folder as it is now, so the node resumes it.")
     part_mb: float = option(0, help="Also write the bundle as tar parts of at most this many MiB; 0 = none.")
 
@@ -64,14 +80,20 @@ def run_bundle(opts: BundleOptions, log: Any = print) -> Path:
             shutil.copytree(work, tmp / "work", symlinks=True)
         raw["workdir"] = "work"
         (tmp / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-        bring_wheels(opts.wheel, tmp / "wheels")
-        (tmp / "README.md").write_text(readme(out.name, opts.wheel))
+        brought = bring_wheels(opts, tmp / "wheels")
+        (tmp / "README.md").write_text(readme(out.name, opts, brought))
         files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         atomic_write_json(tmp / "manifest.json", {"format": "eyas.bundle/1", "config": str(opts.config),
                                                   "files": files})
-    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    log(f"bundle {out}: {len(files) + 1} files, {human_bytes(total)}; on the node: see {out / 'README.md'}")
+    sizes: dict[str, int] = {}
+    for f in out.rglob("*"):
+        if f.is_file():
+            part = f.relative_to(out).parts[0] if len(f.relative_to(out).parts) > 1 else "."
+            sizes[part] = sizes.get(part, 0) + f.stat().st_size
+    breakdown = ", ".join(f"{name}/ {human_bytes(n)}" for name, n in sorted(sizes.items()) if name != ".")
+    log(f"bundle {out}: {len(files) + 1} files, {human_bytes(sum(sizes.values()))} in all ({breakdown}); on the node: "
+        f"see {out / 'README.md'}")
     if opts.part_mb:
         parts = write_parts(out, int(opts.part_mb * (1 << 20)))
         log(f"{len(parts)} parts of at most {opts.part_mb:g} MiB: {parts[0].name} ... "
@@ -81,17 +103,12 @@ def run_bundle(opts: BundleOptions, log: Any = print) -> Path:
 
 def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> dict[str, Any]:
     """Copy the target, the chat data and the prompt files into dest/assets; return the config pointing there."""
-    from eyas.assets import mtbench_path, resolve_model
+    from eyas.assets import mtbench_path
     from eyas.data.readers import resolve_input
 
     assets = dest / "assets"
     assets.mkdir()
-    target = Path(resolve_model(cfg.target))
-    if not target.is_dir():
-        raise EyasError(f"target {cfg.target!r} is not a local folder (a hub id resolves only online): pass the "
-                        "target's transformers folder in the config's `target:` to bundle it")
-    shutil.copytree(target, assets / "target", ignore=shutil.ignore_patterns("*.gguf", ".cache"))
-    raw["target"] = "assets/target"
+    raw["target"] = bring_target(cfg.target, assets).relative_to(dest).as_posix()
     inputs = []
     for i, name in enumerate((raw.get("prepare") or {}).get("inputs") or ["sharegpt"]):
         source = resolve_input(str(name))
@@ -122,22 +139,47 @@ def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> dict[str, Any]:
     return raw
 
 
-def bring_wheels(requirements: list[str], dest: Path) -> None:
-    """eyas itself as a wheel (from this source tree) and each extra requirement, without dependencies."""
+def bring_target(name: str, assets: Path) -> Path:
+    """The target in its smallest faithful form: a GGUF file as it is (the alias: the GGUF it ships as), since
+    eyas converts it on arrival; anything else as the transformers folder it resolves to."""
+    from eyas.assets import DEFAULT_TARGET, gguf_of, resolve_model, smollm2_gguf
+
+    path = Path(name).expanduser()
+    gguf = smollm2_gguf() if str(name).lower() == DEFAULT_TARGET else gguf_of(path) if path.exists() else None
+    (assets / "target").mkdir()
+    if gguf is not None:
+        shutil.copy2(gguf, assets / "target" / gguf.name)
+        return assets / "target" / gguf.name
+    shutil.copytree(Path(resolve_model(name)), assets / "target", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.gguf", ".cache"))
+    return assets / "target"
+
+
+def bring_wheels(opts: BundleOptions, dest: Path) -> dict[str, str]:
+    """eyas itself as a wheel (from this source tree), and every package it and --wheel need that the node
+    lacks, built for the node's Python; returns name -> version of those."""
+    from eyas.utils import wheels
+
     dest.mkdir()
     root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file():
         raise EyasError(f"eyas is not installed from a source tree ({root} has no pyproject.toml): install it "
                         "from its repository to bundle it")
-    cmds = [[sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest),
-             str(root)]]
-    cmds += [[sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest), r] for r in requirements]
-    for cmd in cmds:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise EyasError(f"`{' '.join(cmd[3:])}` failed: {done.stderr.strip()[-400:]}")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(dest), str(root)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise EyasError(f"building eyas' wheel from {root} failed: {done.stderr.strip()[-400:]}")
     for junk in dest.glob("*.tmp"):
         junk.unlink()
+    if not opts.dependencies:
+        return {}
+    node = wheels.Target(opts.python_version, tuple(opts.platform))
+    eyas_wheel = next(dest.glob("eyas-*.whl"))
+    pins = wheels.resolve([str(eyas_wheel), *opts.wheel], node, wheels.node_pins(opts.node_packages),
+                          opts.with_torch)
+    pins.pop("eyas", None)
+    wheels.download(pins, node, dest)
+    return pins
 
 
 def write_parts(folder: Path, part_bytes: int) -> list[Path]:
@@ -177,21 +219,26 @@ class _PartWriter:
             self.f = None
 
 
-def readme(name: str, wheels: list[str]) -> str:
-    extra = f" {' '.join(w.split('==')[0] for w in wheels)}" if wheels else ""
+def readme(name: str, opts: BundleOptions, brought: dict[str, str]) -> str:
+    made_for = f"Python {opts.python_version or '.'.join(map(str, sys.version_info[:2]))} on " + \
+        (", ".join(opts.platform) or "the platform of the machine that made it")
+    has = "the packages listed in its --node-packages file" if opts.node_packages else "Python"
+    needs = "" if opts.with_torch else " and torch"
     return "\n".join([
         f"# eyas bundle `{name}`",
         "",
-        "On a node with Python, torch and transformers but no package index (eyas' other requirements,",
-        "e.g. typer, rich, pyyaml, jinja2, must be there too, or come as --wheel):",
+        f"Made for {made_for}. On a node with {has}{needs}, and no package index:",
         "",
         "```bash",
         f"cat {name}.tar.* | tar -x   # only if it came as parts",
         f"cd {name}",
-        f"pip install --no-index --no-deps --find-links wheels eyas{extra}",
+        "pip install --no-index --find-links wheels eyas" + "".join(f" '{w}'" for w in opts.wheel),
         "eyas run config.yaml        # killed at a time limit? run it again: it resumes",
         "```",
         "",
+        f"wheels/ holds eyas and the {len(brought)} packages it needs that the node lacks"
+        + (f" ({', '.join(brought)})." if brought else "."),
+        "A GGUF target is converted to a transformers folder on the first run (under $EYAS_CACHE).",
         "Paths in config.yaml are relative to this folder. `work/` holds the run; bring it back with",
         "`tar -c work | ...` or `eyas bundle` on the node.",
         "",
