@@ -168,14 +168,15 @@ def serving_name(name: str) -> str:
 _NOT_WEIGHTS = ["*.bin", "*.pth", "*.pt", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "original/*"]
 
 
-def hub_snapshot(repo_id: str) -> Path:
+def hub_snapshot(repo_id: str, fetch: bool = True) -> Path:
     """A hub id's snapshot folder in the local Hugging Face cache ($HF_HUB_CACHE, read when called). A snapshot
     without weights (a config fetched alone) or none at all is fetched where the hub may be reached: config,
-    tokenizer, code and safetensors files only."""
+    tokenizer, code and safetensors files only; never with `fetch` off (eyas plan reads configs only)."""
     from huggingface_hub import constants, snapshot_download
 
     cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    offline = offline or not fetch
     try:
         cached = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached, or not a valid hub id: both mean "not here"
@@ -185,7 +186,8 @@ def hub_snapshot(repo_id: str) -> Path:
     where = f"nor a hub id in the local cache ({cache})"
     if offline:
         raise EyasError(f"target '{repo_id}' is not the alias {DEFAULT_TARGET}, a folder or a GGUF file, {where}; "
-                        f"HF_HUB_OFFLINE is set, so it is not fetched. Pass a local folder, or fetch it first "
+                        "HF_HUB_OFFLINE is set (or this command never downloads), so it is not fetched. Pass a local "
+                        f"folder, or fetch it first "
                         f"(hf download {repo_id})")
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache, ignore_patterns=_NOT_WEIGHTS))

@@ -1,5 +1,5 @@
 """One way to name a target everywhere: every command family (prepare, regenerate, extract, train --online,
-export, eval, run) takes the embedded default's alias, a GGUF file, a local folder and a Hugging Face id from
+export, eval, run, plan) takes the embedded default's alias, a GGUF file, a local folder and a Hugging Face id from
 the local cache, and works on the folder the one resolver gives for it. The alias and the GGUF are the real
 SmolLM2 package; the folder is a tiny random Llama over SmolLM2's tokenizer, and the hub id names that same
 tiny model laid out in a Hugging Face cache (blobs, snapshots/REV, refs/main) under $HF_HUB_CACHE, offline."""
@@ -206,3 +206,15 @@ def test_run(targets, chats, questions, tmp_path, form):
     eyas("run", str(path))
     assert Path(read_json(tmp_path / "w" / "store" / "manifest.json")["target"]) == t.folder
     assert Path(read_json(tmp_path / "w" / "eval" / "trained" / "report.json")["meta"]["target"]) == t.folder
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_plan(targets, tmp_path, form):
+    """`eyas plan` reads configs only: a GGUF's header, the cached snapshot's config.json; never a weight."""
+    from eyas.plan.estimate import read_target
+
+    t = targets[form]
+    assert read_target(t.name).shape.hidden == t.hidden
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": t.name, "workdir": str(tmp_path / "w")}))
+    assert "prepare" in eyas("plan", str(path))

@@ -59,8 +59,8 @@ class Target:
 
 
 def read_target(name: str, trust_remote_code: bool = False) -> Target:
-    """The target's shape from eyas.plan.rates' table of known targets, else its config.json (a local
-    folder or the hub cache): never a download, never a weight."""
+    """The target's shape from eyas.plan.rates' table of known targets, else its config (a local folder, a
+    GGUF file's header or the hub cache): never a download, never a weight."""
     shape = KNOWN_TARGETS.get(name) or KNOWN_TARGETS.get(str(name).lower())
     if shape is not None:
         config = SimpleNamespace(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -70,13 +70,20 @@ def read_target(name: str, trust_remote_code: bool = False) -> Target:
         return Target(name, shape, config, "its config.json, as eyas.plan.rates keeps it")
     from transformers import AutoConfig
 
+    from eyas.assets import gguf_of, hub_snapshot
+
+    path = Path(name).expanduser()
+    gguf = gguf_of(path) if path.exists() else None
     try:
-        cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code,
-                                         local_files_only=not Path(name).is_dir())
+        if gguf is not None:  # its header holds the config: read without converting a weight
+            cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        else:
+            folder = path if path.exists() else hub_snapshot(name, fetch=False)
+            cfg = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise EyasError(f"eyas plan: cannot read the config of target '{name}' without downloading ({e}); give a "
                         f"local folder, or one of {sorted(KNOWN_TARGETS)}") from e
-    return Target(name, shape_of(cfg), cfg, f"{name}/config.json")
+    return Target(name, shape_of(cfg), cfg, f"{gguf}'s header" if gguf is not None else f"{name}/config.json")
 
 
 def shape_of(cfg: Any) -> TargetShape:
