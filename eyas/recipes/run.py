@@ -365,7 +365,8 @@ class RunOptions:
 
     config: Path = option(positional=True, help="YAML config: target, workdir, online, and one section per stage "
                           "holding that stage's options (see configs/).")
-    force: list[str] = option(default_factory=list, help="Rerun this stage (repeatable) even if up to date.")
+    force: list[str] = option(default_factory=list, help="Rerun this stage even if up to date: prepare, regenerate, "
+                              "extract, train, export or eval; repeatable.")
     dry_run: bool = option(False, help="Print the plan and stop: what `eyas plan` prints (samples, tokens, disk, "
                            "memory, time, what is up to date) and the commands of stages run under torchrun.")
 
