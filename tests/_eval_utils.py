@@ -25,6 +25,16 @@ def tiny_target(vocab: int = 64, seed: int = 0, layers: int = 4, init: float = 0
     return LlamaForCausalLM(cfg).eval()
 
 
+def save_tiny_chat_target(folder, tokenizer) -> None:
+    """A tiny random Llama (hidden 32, 4 layers) over a real tokenizer (SmolLM2's: its chat template and stop
+    tokens), saved with it like any transformers folder: a target every stage runs in seconds."""
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def target_and_continuations(prompt_ids: int = 64) -> tuple[LlamaForCausalLM, list[int], list[list[int]],
                                                              list[list[int]]]:
     """tiny_target(), its aux layers [1, 2, 3], 6 prompts of 8 ids below `prompt_ids`, and each prompt followed by

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _eval_utils import save_tiny_chat_target
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from eyas.recipes.bundle import BundleOptions, run_bundle
 from eyas.recipes.run import load_config, run_pipeline
@@ -29,12 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("bundle")
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
+    save_tiny_chat_target(root / "target", AutoTokenizer.from_pretrained(smollm2_dir))
     with open(root / "chats.jsonl", "w") as f:
         for i in range(24):
             f.write(json.dumps({"messages": [{"role": "user", "content": f"Count to {i + 3}, please."},

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from _eval_utils import save_tiny_chat_target
+from transformers import AutoConfig, AutoTokenizer
 from typer.testing import CliRunner
 
 from eyas.assets import resolve_model, smollm2_gguf
@@ -55,12 +56,7 @@ def hub_cache(cache: Path, repo_id: str, files: Path) -> Path:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("targets")
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(root / "tiny")
-    tok.save_pretrained(root / "tiny")
+    save_tiny_chat_target(root / "tiny", AutoTokenizer.from_pretrained(smollm2_dir))
     snapshot = hub_cache(root / "hub", HUB_ID, root / "tiny")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_CACHE", str(root / "hub"))
