@@ -156,11 +156,18 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     return str(hub_snapshot(str(name_or_path)))
 
 
+def gguf_named(name: str) -> Path | None:
+    """The GGUF file a target name stands for: the alias's shipped file, a GGUF file, the one in a folder."""
+    if name.lower() in _SMOLLM2_ALIASES:
+        return smollm2_gguf()
+    path = Path(name).expanduser()
+    return gguf_of(path) if path.exists() else None
+
+
 def serving_name(name: str) -> str:
     """The target as a serving engine should load it: a hub id or a folder as given (portable), the alias and
     a GGUF file as their converted folder (no engine knows the alias; a folder loads like any other)."""
-    path = Path(name).expanduser()
-    if name.lower() in _SMOLLM2_ALIASES or (path.exists() and gguf_of(path) is not None):
+    if name.lower() in _SMOLLM2_ALIASES or gguf_named(name) is not None:
         return str(Path(resolve_model(name)).absolute())
     return name
 

@@ -142,10 +142,12 @@ def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> dict[str, Any]:
 def bring_target(name: str, assets: Path) -> Path:
     """The target in its smallest faithful form: a GGUF file as it is (the alias: the GGUF it ships as), since
     eyas converts it on arrival; anything else as the transformers folder it resolves to."""
-    from eyas.assets import DEFAULT_TARGET, gguf_of, resolve_model, smollm2_gguf
+    from eyas.assets import gguf_named, resolve_model
 
-    path = Path(name).expanduser()
-    gguf = smollm2_gguf() if str(name).lower() == DEFAULT_TARGET else gguf_of(path) if path.exists() else None
+    try:
+        gguf = gguf_named(str(name))
+    except EyasError:  # the alias without its package (a converted copy in the cache): the folder travels
+        gguf = None
     (assets / "target").mkdir()
     if gguf is not None:
         shutil.copy2(gguf, assets / "target" / gguf.name)
@@ -173,7 +175,7 @@ def bring_wheels(opts: BundleOptions, dest: Path) -> dict[str, str]:
         junk.unlink()
     if not opts.dependencies:
         return {}
-    node = wheels.Target(opts.python_version, tuple(opts.platform))
+    node = wheels.NodePython(opts.python_version, tuple(opts.platform))
     eyas_wheel = next(dest.glob("eyas-*.whl"))
     pins = wheels.resolve([str(eyas_wheel), *opts.wheel], node, wheels.node_pins(opts.node_packages),
                           opts.with_torch)
@@ -222,7 +224,7 @@ class _PartWriter:
 def readme(name: str, opts: BundleOptions, brought: dict[str, str]) -> str:
     made_for = f"Python {opts.python_version or '.'.join(map(str, sys.version_info[:2]))} on " + \
         (", ".join(opts.platform) or "the platform of the machine that made it")
-    has = "the packages listed in its --node-packages file" if opts.node_packages else "Python"
+    has = "the packages of the --node-packages file" if opts.node_packages else "Python"
     needs = "" if opts.with_torch else " and torch"
     return "\n".join([
         f"# eyas bundle `{name}`",

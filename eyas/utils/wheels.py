@@ -24,7 +24,7 @@ _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
 
 
 @dataclass(frozen=True)
-class Target:
+class NodePython:
     """The node's Python: pip's --python-version (e.g. 3.11) and --platform tags (e.g. manylinux_2_28_x86_64);
     empty means this machine's."""
 
@@ -75,7 +75,7 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def resolve(requirements: list[str], target: Target, node: dict[str, str], with_torch: bool) -> dict[str, str]:
+def resolve(requirements: list[str], target: NodePython, node: dict[str, str], with_torch: bool) -> dict[str, str]:
     """name -> version of every package `requirements` need on the node and it lacks."""
     with tempfile.TemporaryDirectory(prefix="eyas-resolve-") as tmp:
         constraints = Path(tmp) / "node.txt"
@@ -90,7 +90,7 @@ def resolve(requirements: list[str], target: Target, node: dict[str, str], with_
     return {n: v for n, v in sorted(resolved.items()) if n not in node and (with_torch or not _TORCH_STACK.match(n))}
 
 
-def download(pins: dict[str, str], target: Target, dest: Path) -> None:
+def download(pins: dict[str, str], target: NodePython, dest: Path) -> None:
     """The wheels of `pins`, exactly those versions, into dest."""
     if pins:
         run_pip(["download", "--no-deps", "--quiet", "-d", str(dest), *target.pip_args(),
