@@ -66,10 +66,9 @@ def gguf_folder(gguf: Path, out: Path | None = None) -> Path:
     renamed file is not converted again (a copy of the embedded default is the default), unless `out`
     names the folder."""
     if out is None:
-        key = _content_key(gguf)
-        if key == _embedded_key():
+        out = _converted_path(gguf)
+        if out == cache_dir() / "SmolLM2-135M-Instruct":
             return smollm2_dir()
-        out = next((cache_dir() / "gguf").glob(f"*-{key}"), cache_dir() / "gguf" / f"{gguf.stem}-{key}")
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     with file_lock(out.with_name(f".{out.name}.lock")):
@@ -81,6 +80,20 @@ def gguf_folder(gguf: Path, out: Path | None = None) -> Path:
             tokenizer.save_pretrained(tmp)
             (tmp / "eyas_source.json").write_text(json.dumps({"gguf": str(gguf)}) + "\n")
     return out
+
+
+def _converted_path(gguf: Path) -> Path:
+    """Where a GGUF file's converted folder lives (the embedded default's own, for a copy of it)."""
+    key = _content_key(gguf)
+    if key == _embedded_key():
+        return cache_dir() / "SmolLM2-135M-Instruct"
+    return next((cache_dir() / "gguf").glob(f"*-{key}"), cache_dir() / "gguf" / f"{gguf.stem}-{key}")
+
+
+def converted_folder(gguf: Path) -> Path | None:
+    """The folder a GGUF file was converted to before, or None: nothing is converted here."""
+    out = _converted_path(gguf)
+    return out if (out / "config.json").is_file() else None
 
 
 def _read_gguf(gguf: Path) -> tuple:

@@ -70,13 +70,15 @@ def read_target(name: str, trust_remote_code: bool = False) -> Target:
         return Target(name, shape, config, "its config.json, as eyas.plan.rates keeps it")
     from transformers import AutoConfig
 
-    from eyas.assets import gguf_of, hub_snapshot
+    from eyas.assets import converted_folder, gguf_of, hub_snapshot
 
     path = Path(name).expanduser()
     gguf = gguf_of(path) if path.exists() else None
     try:
-        if gguf is not None:  # its header holds the config: read without converting a weight
-            cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if gguf is not None:  # its converted folder's config, else its header's: never a weight converted
+            done = converted_folder(gguf)
+            cfg = AutoConfig.from_pretrained(done) if done else AutoConfig.from_pretrained(gguf.parent,
+                                                                                          gguf_file=gguf.name)
         else:
             folder = path if path.exists() else hub_snapshot(name, fetch=False)
             cfg = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
