@@ -178,8 +178,12 @@ def gguf_named(name: str) -> Path | None:
 
 
 def serving_name(name: str) -> str:
-    """The target as a serving engine should load it: a hub id or a folder as given (portable), the alias and
-    a GGUF file as their converted folder (no engine knows the alias; a folder loads like any other)."""
+    """The target as a serving engine should load it: a hub id or a folder as given (portable), a snapshot in
+    the hub cache as its hub id, the alias and a GGUF file as their converted folder (no engine knows the
+    alias; a folder loads like any other)."""
+    snapshot = re.search(r"models--([^/]+)--([^/]+)/snapshots/[^/]+/?$", name)
+    if snapshot:
+        return f"{snapshot.group(1)}/{snapshot.group(2)}"
     if name.lower() in _SMOLLM2_ALIASES or gguf_named(name) is not None:
         return str(Path(resolve_model(name)).absolute())
     return name

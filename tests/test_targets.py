@@ -157,6 +157,9 @@ def test_export(targets, tmp_path, form):
          "--out", str(tmp_path / "e"))
     verifier = read_json(tmp_path / "e" / "config.json")["speculators_config"]["verifier"]["name_or_path"]
     assert verifier == (str(t.folder.absolute()) if form in ("alias", "gguf") else t.name)
+    if form == "hub":  # without --verifier: the target recorded at training (its snapshot) is served by its id
+        eyas("export", "--draft", str(draft), "--format", "speculators", "--out", str(tmp_path / "e2"))
+        assert read_json(tmp_path / "e2" / "config.json")["speculators_config"]["verifier"]["name_or_path"] == HUB_ID
 
 
 @pytest.fixture(scope="module")

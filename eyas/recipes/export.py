@@ -68,7 +68,8 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
     formats = list(FORMATS) if opts.format == "all" else [opts.format]
     model = _read_draft(opts)
     k = opts.num_speculative_tokens or family_writer(model.config).default_k(model.config)
-    verifier = serving_name(opts.verifier) if opts.verifier else None
+    recorded = opts.verifier or getattr(model.config, "target", None)
+    verifier = serving_name(str(recorded)) if recorded else None
     serve = ServeOptions(verifier=verifier, dtype=opts.dtype, num_speculative_tokens=k,
                          include_embedding=opts.embedding)
     fingerprint = fingerprint_path(draft)
