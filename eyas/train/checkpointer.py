@@ -3,7 +3,9 @@ the rule that picks the best draft of the validations."""
 
 from __future__ import annotations
 
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.model.families import build_draft
 from eyas.train import distributed as D
-from eyas.utils.io import atomic_path, atomic_write_json, read_json
+from eyas.utils.io import EyasError, atomic_path, atomic_write_json, read_json
 
 if TYPE_CHECKING:
     from eyas.train.trainer import Trainer
@@ -23,13 +25,17 @@ BEST_DRAFT = "draft-best"
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    """Every generator's state as tensors and plain values: what `torch.load(weights_only=True)` reads back."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                      int(has_gauss), float(gauss)],
+            "python": random.getstate(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
+    kind, keys, *rest = s["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     random.setstate(s["python"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -78,10 +84,26 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def load_checkpoint(trainer: Trainer, path: Path) -> dict[str, Any]:
     progress = read_json(path / "progress.json")
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    state = read_train_state(path / "state.pt")
     trainer.load_states(load_file(str(path / "draft.safetensors")), state["optimizer"])
     trainer.sched.load_state_dict(state["scheduler"])
     trainer.window.copy_(state["window"].to(trainer.window.device))
     trainer.step = int(progress["step"])
     set_rng_state(state["rng"])
     return progress
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """state.pt read with `weights_only=True`: tensors and plain values only, so a pickle planted in a run
+    folder (run folders travel with `eyas bundle`) cannot run code on --resume. An older eyas stored
+    numpy's generator state as an array: rebuilding a plain array is allowed too, so its checkpoints resume."""
+    core = getattr(np, "_core", None) or np.core
+    arrays = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(arrays):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        raise EyasError(f"{path} holds {found.group(1) if found else 'an object'}, not only tensors and plain values: "
+                        "resume does not unpickle it (that could run code). It was not written by eyas; drop "
+                        "--resume, or delete the run folder's train_state, to train from scratch") from None

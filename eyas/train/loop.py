@@ -3,21 +3,26 @@ validations (the best draft kept), checkpoints, the compile cache and the first 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from eyas.train import distributed as D
 from eyas.train.checkpointer import BEST_DRAFT, improves, save_checkpoint, save_draft
 from eyas.train.compile_cache import CACHE_FILE, save_compile_cache
 from eyas.train.metrics import MetricsLog, format_info
 from eyas.train.ttt import summarize
+from eyas.utils.io import EyasError
 
 if TYPE_CHECKING:
     from eyas.train.trainer import Trainer
 
 START_UP_NOTE_S = 5.0  # a first step slower than this gets a line saying why
+MAX_EMPTY_FRACTION = 0.5  # a run whose steps so far are mostly without one valid token stops
 
 
 class _Session:
@@ -33,6 +38,9 @@ class _Session:
         self.last: dict[str, Any] = {}
         self.session_tokens, self.t0 = 0, time.perf_counter()
         self.window_tokens, self.tw = 0, time.perf_counter()
+        self.window_loss_tokens = 0  # trained (loss-masked) tokens this rank saw since the last log
+        self.steps_seen = self.empty_seen = 0  # this session's steps, and those with no valid token
+        self.last_log_step = trainer.step
         self.warm: tuple[float, int] | None = None  # (time, step) when the session's first step was done
         self.tokens_total = int(progress_state.get("tokens", 0))
         self.show = trainer.info.is_main
@@ -45,6 +53,7 @@ class _Session:
         """Count the step's tokens (over all ranks) and record where the next step starts."""
         trainer, progress = self.trainer, self.progress
         n_tok = sum(int(b["num_tokens"]) for b in micro)
+        self.window_loss_tokens += sum(int(b["loss_mask"].sum()) for b in micro)  # host tensors: no device sync
         cut = sum(int(b.get("truncated", 0)) for b in micro)
         if cut and self.show and not progress.get("warned_truncation"):
             progress["warned_truncation"] = True
@@ -71,6 +80,7 @@ class _Session:
         """Summarize the window since the last log step: metrics.jsonl, the bar, a line when it is quiet."""
         trainer = self.trainer
         m = summarize(trainer.window, trainer.weights)  # the one host sync of a log interval
+        self.check_health(m, int(trainer.window_empty), bool(torch.isfinite(trainer.window).all()))
         now = time.perf_counter()
         rate = self.window_tokens / max(now - self.tw, 1e-9)
         m.update(step=trainer.step, epoch=epoch, lr=float(trainer.sched.get_last_lr()[0]),
@@ -78,7 +88,8 @@ class _Session:
                                  else trainer.last_norm),
                  tok_per_s=rate, tokens=self.tokens_total)
         trainer.window.zero_()
-        self.window_tokens, self.tw = 0, now
+        trainer.window_empty.zero_()
+        self.window_tokens, self.window_loss_tokens, self.tw = 0, 0, now
         self.last = m
         if not self.show:
             return
@@ -89,6 +100,28 @@ class _Session:
             since, from_step = self.warm or (self.t0, self.progress["start"])
             eta = (self.total_steps - trainer.step) * (now - since) / max(1, trainer.step - from_step)
             self.log(f"step {trainer.step}/{self.total_steps} {format_info(m)} {rate:,.0f} tok/s eta {eta:,.0f}s")
+
+    def check_health(self, m: dict[str, Any], empty: int, finite: bool) -> None:
+        """Stop on a loss that is not finite (the weights are spoiled: no draft is saved from them) and on a
+        run whose steps are mostly without one valid token (it would report success on nothing); count
+        the empty steps in the metrics."""
+        step = self.trainer.step
+        if not finite or not math.isfinite(m["loss"]):
+            raise EyasError(f"the training loss is {m['loss']} at step {step}: the draft's weights are no longer "
+                            "finite, so the run stops and saves no draft from them. Lower --lr, check the store for "
+                            "NaN states (`eyas extract` with its preflight), or train in fp32 (--dtype float32)")
+        window_steps, self.last_log_step = step - self.last_log_step, step
+        self.steps_seen += window_steps
+        self.empty_seen += empty
+        m["empty_steps"] = empty
+        if self.empty_seen > MAX_EMPTY_FRACTION * self.steps_seen:
+            why = ("their batches hold no trained (loss-masked) token: the data has no assistant replies"
+                   if self.window_loss_tokens == 0 and empty == window_steps else
+                   "their trained tokens' next tokens by the target are all outside the draft vocabulary (raise "
+                   "--draft-vocab-size, or prepare the data with this target's tokenizer)")
+            raise EyasError(f"{self.empty_seen} of the {self.steps_seen} training steps up to step {step} had no "
+                            f"valid token (loss 0, gradient 0): {why}. The run stops rather than report a draft "
+                            "trained on nothing")
 
     def validate(self, validate: Callable[[], dict[str, Any]]) -> None:
         """Measure the held-out samples (collective); keep the draft of the best validation in OUT/draft-best."""
@@ -142,11 +175,13 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
             trainer.train_step(micro)
             run.count_tokens(micro, epoch, step_in_epoch, steps_per_epoch)
             is_last = run.is_last(stop_after)
-            if trainer.step % cfg.log_every == 0 or is_last:
-                run.log_step(epoch)
-            if validate is not None and (is_last or (cfg.val_every and trainer.step % cfg.val_every == 0)):
+            validating = validate is not None and (is_last or (cfg.val_every and trainer.step % cfg.val_every == 0))
+            saving = cfg.save_every and trainer.step % cfg.save_every == 0 and trainer.step < total_steps
+            if trainer.step % cfg.log_every == 0 or is_last or validating or saving:
+                run.log_step(epoch)  # also checks the run's health before anything is kept from it
+            if validating:
                 run.validate(validate)
-            if cfg.save_every and trainer.step % cfg.save_every == 0 and trainer.step < total_steps:
+            if saving:
                 save_checkpoint(trainer, run.root, dict(progress_state), cfg.keep_checkpoints)
             if trainer.step == progress_state["start"] + 1 and trainer.compiled and run.show \
                     and not (run.root / CACHE_FILE).is_file():

@@ -77,6 +77,7 @@ class Trainer:
         self.t2d_index = target_to_draft_ids(draft.t2d.cpu()).to(dev)
         self.step = 0
         self.window = torch.zeros(len(self.weights), 3, dtype=torch.float32, device=dev)  # stats since the last log
+        self.window_empty = torch.zeros((), dtype=torch.float32, device=dev)  # steps since the last log, no valid row
         self.last_norm = torch.zeros((), device=dev)
         self.graphed: GraphedStep | None = None
         if graphed:
@@ -156,6 +157,7 @@ class Trainer:
         self.sched.step()
         self.step += 1
         self.window += stats
+        self.window_empty += stats[0, 2] == 0  # device ops only: read back with the window at the log step
         return stats
 
     @torch.no_grad()

@@ -1,0 +1,104 @@
+"""Training refuses to report success on nothing: a NaN loss and a run of empty steps each stop the run
+with an error that says why, and no draft is saved from it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _train_utils import AUX, VOCAB, make_target, metric_rows, run_tiny_train
+
+from eyas.utils.io import EyasError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _store(root, edit, tokens: int = VOCAB, n: int = 24):
+    """A store of `n` samples of token ids below `tokens`, extracted (no preflight) from the tiny target
+    after `edit(model)` changed it."""
+    from transformers import LlamaForCausalLM
+
+    from eyas.data.prepared import PreparedWriter
+    from eyas.recipes.extract import ExtractOptions, run_extract
+
+    target = make_target(root / "target")
+    model = LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        edit(model)
+    model.save_pretrained(target)
+    rng = np.random.default_rng(0)
+    w = PreparedWriter(root / "prepared", vocab_size=VOCAB)
+    for _ in range(n):
+        ids = np.concatenate([np.arange(tokens), rng.integers(0, tokens, 20)])
+        w.add(ids, np.r_[np.zeros(8, np.uint8), np.ones(len(ids) - 8, np.uint8)])
+    w.finish(tokenizer="random", chat_template_sha256="", max_length=256, skipped={}, truncated=0,
+             options_sha256=f"guards-{tokens}", sources=[])
+    run_extract(ExtractOptions(prepared=root / "prepared", out=root / "store", model=str(target), engine="hf",
+                               aux_layers=AUX, dtype="float32", device="cpu", preflight=False))
+    return root / "store"
+
+
+def _nan_norm(model):
+    model.model.norm.weight[3] = float("nan")
+
+
+def _argmax_in_62_63(model):
+    """Every logit 0 but tokens 62 and 63, one of which is positive at every position."""
+    w = model.lm_head.weight
+    w.zero_()
+    w[62, 0], w[63, 0] = 5.0, -5.0
+
+
+def test_a_nan_loss_stops_the_run_and_saves_no_draft(tmp_path):
+    store = _store(tmp_path, _nan_norm)
+    with pytest.raises(EyasError, match=r"training loss is nan at step 1: .*saves no draft"):
+        run_tiny_train(tmp_path / "run", store, max_steps=4)
+    assert not (tmp_path / "run" / "draft").exists() and not (tmp_path / "run" / "manifest.json").exists()
+
+
+def test_steps_without_a_valid_token_are_counted_and_stop_a_run_of_them(tmp_path):
+    """The data holds tokens 0..40 only, so the 48-token draft vocabulary is 0..47, and the target's next
+    token is always 62 or 63: no step has a valid token."""
+    store = _store(tmp_path, _argmax_in_62_63, tokens=41)
+    with pytest.raises(EyasError, match=r"4 of the 4 training steps up to step 4 had no valid token .*outside the "
+                                        r"draft vocabulary"):
+        run_tiny_train(tmp_path / "run", store, max_steps=8, log_every=4)
+    assert not (tmp_path / "run" / "draft").exists()
+    run_tiny_train(tmp_path / "full", store, max_steps=2, draft_vocab_size=VOCAB)  # a vocabulary that holds them
+    assert (tmp_path / "full" / "draft").is_dir()
+
+
+def test_a_healthy_run_logs_its_empty_steps(tmp_path):
+    store = _store(tmp_path, lambda m: None)
+    run_tiny_train(tmp_path / "run", store, max_steps=3)
+    rows = metric_rows(tmp_path / "run")
+    assert [r["empty_steps"] for r in rows] == [0, 0, 0] and all(r["valid_tokens"] > 0 for r in rows)
+
+
+class _Planted:
+    """Unpickling it creates `marker`: the code a planted state.pt would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_resume_never_unpickles_code_and_reads_an_older_checkpoint(tmp_path):
+    import random
+
+    store = _store(tmp_path, lambda m: None)
+    kw = dict(max_steps=4, save_every=2)
+    run_tiny_train(tmp_path / "run", store, stop_after=3, **kw)
+    state_pt = tmp_path / "run" / "train_state" / "step-00000002" / "state.pt"
+    good = torch.load(state_pt, weights_only=True)
+    marker = tmp_path / "ran"
+    torch.save({**good, "scheduler": _Planted(marker)}, state_pt)
+    with pytest.raises(EyasError, match=r"state.pt holds io.open, not only tensors.*drop --resume"):
+        run_tiny_train(tmp_path / "run", store, resume=True, **kw)
+    assert not marker.exists()
+    # an older eyas kept numpy's generator state as an array: that still resumes
+    torch.save({**good, "rng": {**good["rng"], "numpy": np.random.get_state(), "python": random.getstate()}},
+               state_pt)
+    assert run_tiny_train(tmp_path / "run", store, resume=True, **kw)["steps"] == 4
