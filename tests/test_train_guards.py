@@ -102,3 +102,41 @@ def test_resume_never_unpickles_code_and_reads_an_older_checkpoint(tmp_path):
     torch.save({**good, "rng": {**good["rng"], "numpy": np.random.get_state(), "python": random.getstate()}},
                state_pt)
     assert run_tiny_train(tmp_path / "run", store, resume=True, **kw)["steps"] == 4
+
+
+def _hold_lock(out):
+    """Another process that holds `out`'s writer lock until it is killed."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from eyas.utils.io import writer_lock; lock = writer_lock(sys.argv[1], 'extract'); "
+            "lock.__enter__(); print('held', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_one_writer_per_store_and_run_folder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    import os
+    import signal
+    import socket
+
+    from eyas.recipes.extract import ExtractOptions, run_extract
+
+    store = _store(tmp_path, lambda m: None)
+    again = ExtractOptions(prepared=tmp_path / "prepared", out=tmp_path / "store2", model=str(tmp_path / "target"),
+                           engine="hf", aux_layers=AUX, dtype="float32", device="cpu", preflight=False)
+    for out, start in ((tmp_path / "store2", lambda: run_extract(again)),
+                       (tmp_path / "run", lambda: run_tiny_train(tmp_path / "run", store, max_steps=2))):
+        holder = _hold_lock(out)
+        try:
+            with pytest.raises(EyasError, match=rf"is being written by another eyas process \(`eyas extract`, pid "
+                                                rf"{holder.pid} on {socket.gethostname()}, started 20"):
+                start()
+            assert not out.exists()
+        finally:
+            os.kill(holder.pid, signal.SIGKILL)  # killed: its lock file stays, stale
+            holder.wait()
+        start()  # the stale lock is taken over
+        assert (out / "manifest.json").is_file()

@@ -48,7 +48,7 @@ from eyas.store import (
     quantize_fp8,
     verify_store,
 )
-from eyas.utils.io import EyasError, human_bytes, sha256_file, sha256_json
+from eyas.utils.io import EyasError, human_bytes, sha256_file, sha256_json, writer_lock
 from eyas.utils.progress import progress_bar
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import cli_command, option
@@ -270,8 +270,14 @@ def run_extract(opts: ExtractOptions, *, dataset: Any = None, engine_obj: Target
     `opts.prepared`; `engine_obj` overrides building an engine (and decides the target and layers);
     `on_shard` is called after each shard is on disk (tests use it to simulate a crash); `stats`
     receives this rank's tokens, seconds (first batch to last shard on disk), bytes written and total
-    seconds (benchmarks read it).
+    seconds (benchmarks read it). One writer per store: a second one gets an error naming this one.
     """
+    with writer_lock(opts.out, "extract"):
+        return _run_extract(opts, dataset, engine_obj, on_shard, stats)
+
+
+def _run_extract(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | None,
+                 on_shard: Callable[[ShardSpec], None] | None, stats: dict | None) -> Path:
     t_start = time.perf_counter()
     out, ranks = Path(opts.out), Ranks()
     dataset = dataset if dataset is not None else _open_prepared(opts.prepared)

@@ -33,7 +33,7 @@ import typer
 from eyas.assets import TARGET_FORMS
 from eyas.model.config import MLA_DIMS, DraftConfig, DraftOptions
 from eyas.train.config import TrainConfig
-from eyas.utils.io import EyasError, atomic_write_json, fingerprint_path, read_json, sha256_json
+from eyas.utils.io import EyasError, atomic_write_json, fingerprint_path, read_json, sha256_json, writer_lock
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import cli_command, option, subset
 
@@ -398,8 +398,10 @@ class TrainRecipe:
 
 
 def run_train(opts: TrainOptions, *, engine: Any = None, log: Any = None, stop_after: int = 0) -> dict[str, Any]:
-    """Train and write OUT/draft (or reuse an up-to-date OUT); returns OUT/manifest.json's content."""
-    return TrainRecipe(opts, engine=engine, log=log, stop_after=stop_after).run()
+    """Train and write OUT/draft (or reuse an up-to-date OUT); returns OUT/manifest.json's content. One
+    writer per run folder: a second one gets an error naming this one."""
+    with writer_lock(opts.out, "train"):
+        return TrainRecipe(opts, engine=engine, log=log, stop_after=stop_after).run()
 
 
 def read_target_config(name: str, trust_remote_code: bool = False) -> Any:

@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,38 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def writer_lock(out: str | os.PathLike, stage: str) -> Iterator[None]:
+    """One writer per output folder: `eyas STAGE` holds `.OUT.lock` next to OUT (OUT itself is renamed into
+    place) while it runs; a second writer gets an error naming the holder (pid, host, start). The lock is the
+    kernel's (flock), so a killed holder leaves none: its stale file is taken over. Under torchrun only rank 0
+    (RANK unset or 0) takes it, for all ranks."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    out = Path(out)
+    path = out.with_name(f".{out.name}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that has not written its name yet"
+            raise EyasError(f"{out} is being written by another eyas process ({holder}); two writers would "
+                            "corrupt it. Wait for it to finish (a rerun then resumes or reuses its output), stop it, "
+                            "or pick another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"`eyas {stage}`, pid {os.getpid()} on {socket.gethostname()}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+        f.flush()
         try:
             yield
         finally:
