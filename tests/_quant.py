@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 GROUP = 32
 ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+ATTENTION = re.compile(r"\.self_attn\.\w+_proj(_with_mqa)?\.weight$")
 # Kimi-K2.5's quantization_config: only routed experts are int4 (module names match with a `re:` prefix)
 W4A16_IGNORE = ["lm_head", "re:.*lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                 r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]
@@ -46,9 +47,9 @@ def w4a16_args():
                             dynamic=False, observer="minmax")
 
 
-def quantize_w4a16(src: Path, out: Path, twin: Path) -> tuple[Path, Path]:
-    """`src` (a bf16 folder) with its routed experts packed to int4 -> `out`; the same weights
-    dequantized back to bf16 -> `twin`."""
+def quantize_w4a16(src: Path, out: Path, twin: Path, attention: bool = False) -> tuple[Path, Path]:
+    """`src` (a bf16 folder) with its routed experts (and with `attention`, its attention projections too)
+    packed to int4 -> `out`; the same weights dequantized back to bf16 -> `twin`."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
@@ -59,7 +60,7 @@ def quantize_w4a16(src: Path, out: Path, twin: Path) -> tuple[Path, Path]:
     state = load_file(str(src / "model.safetensors"))
     packed, dequantized = {}, {}
     for name, w in state.items():
-        if not ROUTED_EXPERT.search(name):
+        if not (ROUTED_EXPERT.search(name) or (attention and ATTENTION.search(name))):
             packed[name] = dequantized[name] = w
             continue
         groups = w.float().reshape(w.shape[0], -1, GROUP)
@@ -72,7 +73,7 @@ def quantize_w4a16(src: Path, out: Path, twin: Path) -> tuple[Path, Path]:
     config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json"),
                                             "input_activations": None, "output_activations": None}},
-              "ignore": W4A16_IGNORE, "kv_cache_scheme": None}
+              "ignore": [i for i in W4A16_IGNORE if not (attention and "self_attn" in i)], "kv_cache_scheme": None}
     return _rewrite(src, out, packed, config), _rewrite(src, twin, dequantized, None)
 
 

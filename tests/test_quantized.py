@@ -77,3 +77,12 @@ def test_block_fp8_deepseek_v3_matches_its_dequantized_twin(tmp_path):
     got = captures(quantized, "float32", aux=(1, 2))
     assert worst(got, captures(twin, "float32", aux=(1, 2))) <= 1e-5
     assert worst(got, captures(original, "float32", aux=(1, 2))) > 1e-3
+
+
+def test_w4a16_with_its_attention_quantized_loads_and_matches_its_twin(kimi_w4a16, tmp_path):
+    """transformers cannot run packed int4 attention layers (`'Linear' object has no attribute 'weight'`):
+    the engine has them dequantized at load, and the states are the dequantized twin's."""
+    quantized, twin = quantize_w4a16(kimi_w4a16[0], tmp_path / "w4a16", tmp_path / "dequantized", attention=True)
+    with safe_open(str(quantized / "model.safetensors"), "pt") as f:
+        assert any("self_attn.q_b_proj.weight_packed" in k for k in f.keys())  # noqa: SIM118
+    assert worst(captures(quantized, "float32"), captures(twin, "float32")) <= 1e-5

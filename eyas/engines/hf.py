@@ -13,6 +13,7 @@ cannot change its states, so a ragged batch equals one-at-a-time runs.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -37,33 +38,55 @@ class _StopForward(Exception):
     """Raised by the final-norm hook: everything after the last decoder layer is skipped."""
 
 
+class MissingWeightsError(EyasError):
+    """The checkpoint lacks weights the model has: transformers would fill them with random values."""
+
+
 def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, device_map: str | None = None,
-                  attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
-    """AutoModelForCausalLM, falling back to AutoModelForImageTextToText for vision-language wrappers."""
+                  attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                  allow_missing_weights: bool = False) -> nn.Module:
+    """AutoModelForCausalLM, falling back to AutoModelForImageTextToText for vision-language wrappers.
+    Weights the checkpoint lacks are a MissingWeightsError naming them, unless `allow_missing_weights`."""
     import transformers
 
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation,
-                                  trust_remote_code=trust_remote_code)
+                                  trust_remote_code=trust_remote_code, output_loading_info=True)
     kwargs["device_map"] = device_map if device_map else {"": str(device)}
+    quant = (_read_config(model).get("quantization_config") or {}).get("quant_method")
     errors = []
     for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
         cls = getattr(transformers, auto, None)
         if cls is None:
             continue
         try:
-            return _upcast_dequantized(cls.from_pretrained(model, **kwargs), dtype)
+            if quant == "compressed-tensors":  # dequantized at load: packed attention layers then load too
+                kwargs["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
+            with warnings.catch_warnings():  # "the model's quantization_config will be used": as meant
+                warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+                loaded, info = cls.from_pretrained(model, **kwargs)
+            _check_loaded(model, info.get("missing_keys") or [], allow_missing_weights)
+            return _upcast_dequantized(loaded, dtype, quant is not None)
         except ValueError as e:
             if "Unrecognized configuration class" not in str(e):  # not "another AutoModel class": a real failure
                 raise EyasError(f"transformers cannot load target '{model}': {str(e)[:600]}") from e
             errors.append(f"{auto}: {e}")
         except ImportError as e:  # a quantized checkpoint whose package is missing (compressed-tensors, ...)
-            quant = (_read_config(model).get("quantization_config") or {}).get("quant_method", "?")
-            raise EyasError(f"target '{model}' is quantized ({quant}) and loading it needs a package that is not "
-                            f"installed here: {str(e).strip()[:400]}") from e
+            raise EyasError(f"target '{model}' is quantized ({quant or '?'}) and loading it needs a package that "
+                            f"is not installed here: {str(e).strip()[:400]}") from e
         except OSError as e:
             raise EyasError(f"cannot load target '{model}': {e}. Give a local transformers folder or a hub id "
                             "that is in the local cache.") from e
     raise EyasError(f"transformers cannot load '{model}' as a causal LM: " + " | ".join(errors)[:800])
+
+
+def _check_loaded(model: str, missing: list[str] | set[str], allow: bool) -> None:
+    if missing and not allow:
+        names = sorted(missing)
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise MissingWeightsError(
+            f"target '{model}' lacks {len(names)} weight(s) its model has: {', '.join(names[:8])}{more}. transformers "
+            "would fill them with random values, and every state and logit after them would be wrong. Check that "
+            "every shard is there (model.safetensors.index.json), or pass --allow-missing-weights to load it anyway")
 
 
 def _read_config(model: str) -> dict:
@@ -75,12 +98,12 @@ def _read_config(model: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _upcast_dequantized(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def _upcast_dequantized(model: nn.Module, dtype: torch.dtype, quantized: bool) -> nn.Module:
     """A quantized checkpoint that transformers dequantizes at load (compressed-tensors W4A16 experts;
     block FP8 on a CPU) keeps those weights in their scales' dtype (bf16) whatever dtype was asked, and
     `model.to()` is refused on a quantized model: upcast them in place, so a float32 engine computes
     (and captures) in float32. Never downcasts (weights kept in float32 on purpose stay so)."""
-    if getattr(model, "hf_quantizer", None) is None or dtype != torch.float32:
+    if not quantized or dtype != torch.float32:
         return model
     for p in model.parameters():
         if p.dtype in (torch.bfloat16, torch.float16):
@@ -103,6 +126,7 @@ class HFEngine(TargetEngine):
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
         compile: bool = False,
+        allow_missing_weights: bool = False,
     ) -> None:
         if compile and device_map is not None:
             raise EyasError("--compile runs the target on one device; drop --device-map (or --compile)")
@@ -115,8 +139,8 @@ class HFEngine(TargetEngine):
                 self.model.to(device=dev, dtype=self.dtype)
         else:
             self.model_name = str(model)
-            self.model = load_hf_model(str(model), self.dtype, dev, device_map,
-                                       attn_implementation, trust_remote_code)
+            self.model = load_hf_model(str(model), self.dtype, dev, device_map, attn_implementation,
+                                       trust_remote_code, allow_missing_weights)
         self.model.eval().requires_grad_(False)
         self.config = self.model.config
         self.text_model, self.layers, self.norm = find_text_decoder(self.model)

@@ -11,10 +11,15 @@ stages run these checks first (on by default, `--no-preflight` skips them) and s
 - `aux_state`:        aux id k's state matches no layer of the reference;
 - `final_post_norm`:  the final state is the final norm's output, not its input;
 - `final_head`:       the target's own head (norm + lm_head) on the final state does not give the
-                      model's own greedy next token;
+                      model's own greedy next token, or gives logits that are not finite;
+- `head_weights`:     the final norm or lm_head is all zeros or holds NaN/inf (a damaged checkpoint);
 - `batch`:            a sample's states change when it shares a ragged batch with others;
 - `tp_rank`:          at tensor parallel > 1, states that disagree with the facts no rank can change
                       (the reference forward, the head's argmax): a worker's reply taken for rank 0's.
+
+Samples with images go through with their images (the engine's vision tower and the reference's), whole.
+Weights a checkpoint lacks are refused when the target loads (`eyas.engines.hf.load_hf_model`), so the
+reference is the checkpoint, not what transformers filled in.
 
 The engine runs the samples as one ragged batch, as the stages run it (and each alone too when that
 batch fails, to tell a batch fault from a fault of the states, or when there is no reference). The
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.data.media import SampleMedia
 from eyas.engines.base import Capture, TargetEngine
 from eyas.engines.decoder import find_text_decoder
 from eyas.engines.head import TargetHead
@@ -85,18 +91,29 @@ class PreflightError(EyasError):
 
 def preflight_samples(dataset: Any) -> list[torch.Tensor]:
     """The first four non-empty samples of `dataset` (items with `input_ids`), cut to distinct lengths."""
+    return preflight_inputs(dataset)[0]
+
+
+def preflight_inputs(dataset: Any) -> tuple[list[torch.Tensor], list[SampleMedia | None] | None]:
+    """(the first four non-empty samples of `dataset`, text cut to distinct lengths; their images, or None
+    for a dataset without any). A sample with images is kept whole: a cut could split an image's tokens."""
+    with_media = bool(getattr(dataset, "has_media", False))
     seqs: list[torch.Tensor] = []
+    media: list[SampleMedia | None] = []
     for i in range(len(dataset)):
         ids = torch.as_tensor(dataset[i]["input_ids"]).long()
         if ids.numel():
-            seqs.append(ids[:SAMPLE_TOKENS[len(seqs)]])
+            m = dataset.media(i) if with_media else None
+            media.append(m)
+            seqs.append(ids if m is not None else ids[:SAMPLE_TOKENS[len(seqs)]])
         if len(seqs) == len(SAMPLE_TOKENS):
             break
-    if len(seqs) == 1 and seqs[0].numel() >= 2:  # one sample: batch it with its own first half
+    if len(seqs) == 1 and seqs[0].numel() >= 2 and media[0] is None:  # one sample: batch it with its first half
         seqs.append(seqs[0][: seqs[0].numel() // 2])
-    if len(seqs) > 1 and len({s.numel() for s in seqs}) == 1 and seqs[-1].numel() >= 2:
+        media.append(None)
+    if len(seqs) > 1 and len({s.numel() for s in seqs}) == 1 and seqs[-1].numel() >= 2 and media[-1] is None:
         seqs[-1] = seqs[-1][:-1]  # a ragged batch, so padding is exercised
-    return seqs
+    return seqs, (media if any(m is not None for m in media) else None)
 
 
 @dataclass
@@ -109,7 +126,8 @@ class Reference:
     exact: bool  # ran in float32
 
 
-def reference_model(engine: TargetEngine, trust_remote_code: bool = False) -> tuple[nn.Module | None, str]:
+def reference_model(engine: TargetEngine, trust_remote_code: bool = False,
+                    allow_missing_weights: bool = False) -> tuple[nn.Module | None, str]:
     """The module the reference runs: the hf engine's own; for other engines a float32 CPU copy of a target
     small enough to load next to it. (None, why) when there is none."""
     own = getattr(engine, "model", None)
@@ -118,11 +136,13 @@ def reference_model(engine: TargetEngine, trust_remote_code: bool = False) -> tu
     folder = getattr(engine, "model_dir", None)
     if folder is None:
         return None, f"the {engine.name} engine names no model folder"
-    return load_reference_copy(folder, trust_remote_code)
+    return load_reference_copy(folder, trust_remote_code, allow_missing_weights)
 
 
-def load_reference_copy(folder: str | Path, trust_remote_code: bool = False) -> tuple[nn.Module | None, str]:
-    """A float32 CPU transformers copy of the target in `folder`, or (None, why) when it is too big or fails."""
+def load_reference_copy(folder: str | Path, trust_remote_code: bool = False,
+                        allow_missing_weights: bool = False) -> tuple[nn.Module | None, str]:
+    """A float32 CPU transformers copy of the target in `folder`, or (None, why) when it is too big or fails.
+    A checkpoint that lacks weights is an error (MissingWeightsError), unless `allow_missing_weights`."""
     d = Path(folder)
     if not d.is_dir():
         return None, f"{folder} is not a local folder"
@@ -130,30 +150,35 @@ def load_reference_copy(folder: str | Path, trust_remote_code: bool = False) -> 
     if size > REFERENCE_MAX_BYTES:
         return None, (f"its weights ({human_bytes(size)}) are more than the {human_bytes(REFERENCE_MAX_BYTES)} a "
                       "CPU reference loads within the preflight's time")
-    from eyas.engines.hf import load_hf_model
+    from eyas.engines.hf import MissingWeightsError, load_hf_model
 
     try:
-        return load_hf_model(str(d), torch.float32, torch.device("cpu"),
-                             trust_remote_code=trust_remote_code).eval(), ""
+        return load_hf_model(str(d), torch.float32, torch.device("cpu"), trust_remote_code=trust_remote_code,
+                             allow_missing_weights=allow_missing_weights).eval(), ""
+    except MissingWeightsError:
+        raise
     except Exception as e:  # noqa: BLE001 - the reference is optional: its checks are skipped and the log says why
         return None, f"transformers cannot load it on the CPU ({type(e).__name__}: {str(e)[:200]})"
 
 
 @torch.inference_mode()
-def reference_forward(model: nn.Module, seqs: list[torch.Tensor], layer_ids: set[int], num_layers: int) -> Reference:
+def reference_forward(model: nn.Module, seqs: list[torch.Tensor], layer_ids: set[int], num_layers: int,
+                      media: list[SampleMedia | None] | None = None) -> Reference:
     """hidden_states[k] for `layer_ids` below `num_layers`, the final norm's input (as id `num_layers`) and
-    output, and the logits, each sample run alone."""
+    output, and the logits, each sample run alone (with its images: `media[i]`)."""
     _, _, norm = find_text_decoder(model)
     seen: dict[str, torch.Tensor] = {}
     hooks = [] if norm is None else [
         norm.register_forward_pre_hook(lambda _m, args: seen.__setitem__("pre", args[0])),
         norm.register_forward_hook(lambda _m, _args, out: seen.__setitem__("post", out))]
     device = model.get_input_embeddings().weight.device
-    ref = Reference([], [], [], exact=next(model.parameters()).dtype == torch.float32)
+    dtype = next(model.parameters()).dtype
+    ref = Reference([], [], [], exact=dtype == torch.float32)
     try:
-        for s in seqs:
+        for s, m in zip(seqs, media or [None] * len(seqs), strict=True):
             seen.clear()
-            out = model(input_ids=s[None].to(device), output_hidden_states=True, use_cache=False)
+            images = {} if m is None else m.model_inputs(dtype, device)
+            out = model(input_ids=s[None].to(device), output_hidden_states=True, use_cache=False, **images)
             layers = {k: out.hidden_states[k][0].float().cpu() for k in layer_ids if k < num_layers}
             if "pre" in seen:
                 layers[num_layers] = seen["pre"].reshape(-1, seen["pre"].shape[-1]).float().cpu()
@@ -229,6 +254,22 @@ def misses_argmax(logits: torch.Tensor, tokens: torch.Tensor, tie: float) -> tor
     return logits.gather(-1, tokens[:, None].to(logits.device))[:, 0] < best - tie * logits.std(-1)
 
 
+def check_head(head: TargetHead) -> list[Fault]:
+    """The final norm's effective weight and the lm_head are finite and not all zeros: a head that is would
+    give NaN or constant logits, whose argmax agrees with anything."""
+    faults = []
+    norm = head.norm_weight.float() + head.norm_offset
+    for name, w in (("the final norm's weight", norm), ("lm_head", head.lm_head.float())):
+        bad = int((~torch.isfinite(w)).sum())
+        if bad:
+            faults.append(Fault("head_weights", f"{name} holds {bad} NaN/inf value(s): the checkpoint is damaged, "
+                                "and every logit of the target (and of a draft trained on it) would be NaN"))
+        elif not bool(w.any()):
+            faults.append(Fault("head_weights", f"{name} is all zeros: every logit would be the same, so the target "
+                                "has no next token to teach; the checkpoint is damaged or was saved without it"))
+    return faults
+
+
 def check_final(caps: list[Capture], ref: Reference | None, head: TargetHead, greedy: list[int | None],
                 num_layers: int, tol: Tolerance) -> list[Fault]:
     """The final state is the norm's input, and the target's head on it gives the model's own next token."""
@@ -244,7 +285,11 @@ def check_final(caps: list[Capture], ref: Reference | None, head: TargetHead, gr
                       "layer's output BEFORE the norm (the trainer applies the target's norm and lm_head itself)")]
     head = head.to("cpu", torch.float32)
     if ref is not None:
-        picks = [head.logits(f).argmax(-1) for f in finals]
+        logits = [head.logits(f) for f in finals]
+        for name, rows in (("the target's head on the final states", logits), ("the model's own forward", ref.logits)):
+            if not all(bool(torch.isfinite(x).all()) for x in rows):
+                return [Fault("final_head", f"{name} gives logits that are not finite (NaN/inf) from finite states")]
+        picks = [x.argmax(-1) for x in logits]
         misses = torch.cat([misses_argmax(r, p, tol.tie) for r, p in zip(ref.logits, picks, strict=True)])
         source = "the model's own logits (plain transformers forward)"
     else:  # the engine's own greedy token after each sequence
@@ -252,6 +297,9 @@ def check_final(caps: list[Capture], ref: Reference | None, head: TargetHead, gr
         if not rows:
             return []
         last = head.logits(torch.cat([r for r, _ in rows]))
+        if not bool(torch.isfinite(last).all()):
+            return [Fault("final_head", "the target's head on the final states gives logits that are not finite "
+                          "(NaN/inf) from finite states")]
         misses = misses_argmax(last, torch.tensor([g for _, g in rows]), tol.tie)
         source = "the engine's own greedy next token"
     if misses.float().mean() > MAX_DISAGREE:
@@ -290,18 +338,20 @@ def _as_tp_fault(faults: list[Fault], tp: int) -> list[Fault]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _capture(engine: TargetEngine, seqs: list[torch.Tensor]) -> tuple[list[Capture], list[int | None], torch.dtype]:
+def _capture(engine: TargetEngine, seqs: list[torch.Tensor], media: list[SampleMedia | None] | None
+             ) -> tuple[list[Capture], list[int | None], torch.dtype]:
     """The states on the CPU in float32, the engine's own greedy next token after each sequence, its dtype."""
-    flat = engine.capture_flat(seqs)
+    flat = engine.capture_flat(seqs) if media is None else engine.capture_flat(seqs, media)
     caps = [Capture(c.aux.float().cpu(), c.final.float().cpu()) for c in flat.split()]
     greedy = list(engine.last_greedy) if engine.last_greedy is not None else [None] * len(seqs)
     return caps, greedy, flat.final.dtype
 
 
-def _capture_alone(engine: TargetEngine, seqs: list[torch.Tensor]) -> tuple[list[Capture], list[int | None]]:
+def _capture_alone(engine: TargetEngine, seqs: list[torch.Tensor], media: list[SampleMedia | None] | None
+                   ) -> tuple[list[Capture], list[int | None]]:
     caps, greedy = [], []
-    for s in seqs:
-        c, g, _ = _capture(engine, [s])
+    for i, s in enumerate(seqs):
+        c, g, _ = _capture(engine, [s], None if media is None else [media[i]])
         caps += c
         greedy += g
     return caps, greedy
@@ -313,16 +363,22 @@ def _state_faults(caps: list[Capture], greedy: list[int | None], engine: TargetE
     faults = check_finite(caps, engine.aux_layer_ids, where)
     if faults:
         return faults
+    head = engine.target_head()
+    faults = check_head(head)
+    if faults:
+        return faults
     if ref is not None:
         faults = check_aux(caps, ref, engine.aux_layer_ids, engine.num_layers, tol)
-    faults += check_final(caps, ref, engine.target_head(), greedy, engine.num_layers, tol)
+    faults += check_final(caps, ref, head, greedy, engine.num_layers, tol)
     return _as_tp_fault(faults, engine.tp)
 
 
-def preflight_engine(engine: TargetEngine, seqs: list[torch.Tensor], *, trust_remote_code: bool = False,
+def preflight_engine(engine: TargetEngine, seqs: list[torch.Tensor], *, media: list[SampleMedia | None] | None = None,
+                     trust_remote_code: bool = False, allow_missing_weights: bool = False,
                      log: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """Run `seqs` through `engine` as one ragged batch (as the stages do) and check the states against the
-    reference, each sample run alone; raise PreflightError naming every fault, else log one line.
+    """Run `seqs` (with their images, `media[i]`) through `engine` as one ragged batch (as the stages do) and
+    check the states against the reference, each sample run alone; raise PreflightError naming every
+    fault, else log one line.
 
     Samples are also captured alone by the engine when the batch fails (to tell a batch fault from a
     fault of the states themselves) or when there is no reference (then batch invariance is checked
@@ -330,18 +386,18 @@ def preflight_engine(engine: TargetEngine, seqs: list[torch.Tensor], *, trust_re
     if not seqs:
         raise EyasError("preflight: no non-empty sample to run; the dataset is empty")
     t0, what = time.perf_counter(), f"the {engine.name} engine's states"
-    batched, greedy, dtype = _capture(engine, seqs)
+    batched, greedy, dtype = _capture(engine, seqs, media)
     nonfinite = check_finite(batched, engine.aux_layer_ids, "in a batch")
     if nonfinite:
         raise PreflightError(what, nonfinite)
-    model, why = reference_model(engine, trust_remote_code)
+    model, why = reference_model(engine, trust_remote_code, allow_missing_weights)
     near = {m for k in engine.aux_layer_ids for m in (k - 1, k, k + 1) if m >= 0}  # each id and its neighbours
-    ref = None if model is None else reference_forward(model, seqs, near, engine.num_layers)
+    ref = None if model is None else reference_forward(model, seqs, near, engine.num_layers, media)
     del model  # a CPU copy is freed before the long run
     tol = EXACT if dtype == torch.float32 and (ref is None or ref.exact) else HALF
     faults = _state_faults(batched, greedy, engine, ref, tol, "in a batch")
     if (faults or ref is None) and len(seqs) > 1:
-        alone, greedy_alone = _capture_alone(engine, seqs)
+        alone, greedy_alone = _capture_alone(engine, seqs, media)
         batch = check_batch(alone, batched, tol)
         if batch:  # the batch explains the batched states' faults, unless the states alone have them too
             faults = _state_faults(alone, greedy_alone, engine, ref, tol, "alone") + batch
@@ -351,6 +407,7 @@ def preflight_engine(engine: TargetEngine, seqs: list[torch.Tensor], *, trust_re
     seconds = time.perf_counter() - t0
     if log is not None:
         log(f"preflight: {len(seqs)} samples ({sum(len(s) for s in seqs)} tokens) through the {engine.name} engine "
-            f"in {seconds:.1f}s: aux ids {engine.aux_layer_ids}, pre-norm final state, greedy head, batch "
+            f"in {seconds:.1f}s" + (f" ({sum(m is not None for m in media)} with images)" if media else "") +
+            f": aux ids {engine.aux_layer_ids}, pre-norm final state, greedy head, head weights, batch "
             "invariance and finite values checked" + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     return {"seconds": seconds, "reference": ref is not None, "skipped": skipped}

@@ -250,6 +250,9 @@ class ExtractOptions:
                                     show_default="none")
     shard_mb: float = option(512, help="Target shard size in MiB.")
     trust_remote_code: bool = option(False, help="Let transformers / vLLM run the model repository's code.")
+    allow_missing_weights: bool = option(False, help="Load a target whose checkpoint lacks some of its model's weights "
+                                         "(transformers fills them with random values); without it that is an error "
+                                         "naming them.")
     preflight: bool = option(True, help="First run a few samples alone and batched and check the states against a "
                              "plain transformers forward (aux ids, pre-norm final state, batch invariance, tensor-"
                              "parallel replies, NaN/inf); stop naming the fault. Costs seconds.")
@@ -301,9 +304,11 @@ def _run_extract(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | 
     # the engine: built after the cheap checks, so a bad option fails in a second, not after loading 100 GB
     eng = engine_obj or _load_engine(opts, meta.aux_layer_ids)
     if opts.preflight:
-        from eyas.engines.preflight import preflight_engine, preflight_samples
+        from eyas.engines.preflight import preflight_engine, preflight_inputs
 
-        preflight_engine(eng, preflight_samples(dataset), trust_remote_code=opts.trust_remote_code, log=ranks.log)
+        seqs, media = preflight_inputs(dataset)
+        preflight_engine(eng, seqs, media=media, trust_remote_code=opts.trust_remote_code,
+                         allow_missing_weights=opts.allow_missing_weights, log=ranks.log)
     tokens, dt, writer = _extract(opts, eng, dataset, meta, lengths, plan, ranks, on_shard)
     ranks.barrier()
     if ranks.rank == 0:
@@ -366,6 +371,7 @@ def _load_engine(opts: ExtractOptions, aux_layer_ids: list[int]) -> TargetEngine
 
     kw: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
     if opts.engine == "hf":
+        kw["allow_missing_weights"] = opts.allow_missing_weights
         compiled = opts.compile
         if compiled is None:  # worth it where kernels are fast enough for the fusing to show: a GPU
             compiled = opts.device_map is None and resolve_device(opts.device).type == "cuda"
