@@ -160,3 +160,27 @@ def test_hf_engine_runs_the_vision_tower_and_matches_output_hidden_states(name, 
     text_only = engine.capture([seqs[0]])[0]  # the same ids without the image: differs exactly at its tokens
     diff = (text_only.aux[:, :H] - caps[0].aux[:, :H]).abs().sum(-1)
     assert bool((diff[image_rows] > 0).all()) and bool((diff[~image_rows] == 0).all())
+
+
+@pytest.mark.parametrize("name", ["kimi", "qwen25vl"])
+def test_the_preflight_runs_image_samples_with_their_images(name, tmp_path, chats, targets, monkeypatch):
+    """Extract's preflight sends the image samples with their pixel values (the engine's vision tower and
+    the reference's both run) and passes; Kimi's ids without their images fail it, as they did before."""
+    from eyas.engines.preflight import PreflightError, preflight_engine, preflight_inputs
+    from eyas.recipes.extract import ExtractOptions, run_extract
+
+    prepared = prepare_for(name, targets[name], chats, tmp_path / "p", monkeypatch)
+    seqs, meds = preflight_inputs(PreparedDataset(prepared))
+    assert meds is not None and sum(m is not None for m in meds) == 2
+    engine = HFEngine(str(targets[name]), aux_layer_ids=[0, 1, 3], dtype="float32", device="cpu")
+    calls = []
+    vision = engine.model.model.vision_tower if name == "kimi" else engine.model.model.visual
+    vision.register_forward_hook(lambda *_: calls.append(1))
+    assert preflight_engine(engine, seqs, media=meds)["reference"]
+    assert len(calls) == 4  # each image sample: once in the engine's batch, once in the reference
+    if name == "kimi":
+        with pytest.raises(PreflightError):
+            preflight_engine(engine, seqs)
+    run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(targets[name]),
+                               aux_layers=[0, 1, 3], dtype="float32", device="cpu"))
+    assert (tmp_path / "store" / "manifest.json").is_file()

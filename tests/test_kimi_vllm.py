@@ -108,6 +108,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_vllm
 def test_vllm_captures_text_and_images_like_the_hf_engine(kimi_data):
     from eyas.engines import load_engine
+    from eyas.engines.preflight import preflight_engine
 
     target, seqs, meds, want = kimi_data
     assert [m is not None for m in meds] == [True, False, True, False]
@@ -126,6 +127,8 @@ def test_vllm_captures_text_and_images_like_the_hf_engine(kimi_data):
             worst = max(worst, rel(g.final, w.final))
         print(f"\n[kimi vllm vs hf] worst rel err {worst:.1e}")
         assert worst <= 1e-5
+        # extract's preflight runs the image samples with their images, against a CPU transformers reference
+        assert preflight_engine(eng, seqs, media=meds)["reference"]
     finally:
         eng.close()
 

@@ -143,6 +143,7 @@ def run_eval(opts: EvalOptions, log: Any = print) -> Path:
                         "exported draft folder, or `random` for an untrained one")
     out = Path(opts.out)
     target_path = resolve_model(opts.model)
+    check_prepared_prompts(opts.prompts, target_path, opts.trust_remote_code)
     compared = [(_compare_label(p), _load_report(p)) for p in opts.compare]
     options = fingerprint(opts, target_path)
     options_sha256 = sha256_json(options)
@@ -158,6 +159,16 @@ def run_eval(opts: EvalOptions, log: Any = print) -> Path:
     finish(result, out, label, compared, {"format": FORMAT, "options": options, "options_sha256": options_sha256}, log)
     partial.remove()
     return out
+
+
+def check_prepared_prompts(spec: str, target_path: str, trust_remote_code: bool) -> None:
+    """Prepared datasets among --prompts must be the target's (tokenizer, vocabulary), before any work."""
+    from eyas.data.target_match import check_prepared_matches_target
+
+    for part in (p.split("=", 1)[-1].strip() for p in spec.split(",")):
+        manifest = Path(part).expanduser() / "manifest.json"
+        if part and manifest.is_file() and str(read_json(manifest).get("format", "")).startswith("eyas.prepared"):
+            check_prepared_matches_target(read_json(manifest), part, target_path, trust_remote_code)
 
 
 def fingerprint(opts: EvalOptions, target_path: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch
 import typer
 
 from eyas.assets import TARGET_FORMS
+from eyas.data.target_match import check_prepared_matches_target
 from eyas.engines.base import (
     TargetEngine,
     default_aux_layer_ids,
@@ -48,7 +49,7 @@ from eyas.store import (
     quantize_fp8,
     verify_store,
 )
-from eyas.utils.io import EyasError, human_bytes, sha256_file, sha256_json, writer_lock
+from eyas.utils.io import EyasError, human_bytes, read_json, sha256_file, sha256_json, writer_lock
 from eyas.utils.progress import progress_bar
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import cli_command, option
@@ -348,6 +349,8 @@ def plan_store(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | No
     else:
         target_name = resolve_model(opts.model)
         facts = target_facts(target_name, opts.aux_layers, opts.trust_remote_code)
+        if mfile is not None and mfile.is_file():
+            check_prepared_matches_target(read_json(mfile), opts.prepared, target_name, opts.trust_remote_code)
     n = len(dataset) if not opts.max_samples else min(opts.max_samples, len(dataset))
     if n == 0:
         raise EyasError(f"{opts.prepared}: the prepared dataset has no samples")

@@ -34,6 +34,7 @@ from eyas.data.chat import ChatEncoder, Encoded
 from eyas.data.media import ImageEncoder, SampleMedia, has_images, target_image_token_ids
 from eyas.data.prepared import FORMAT, SHARD_TOKENS, PreparedDataset, PreparedWriter
 from eyas.data.readers import BadRow, Row, SkipLog, Source, resolve_input
+from eyas.data.target_match import check_tokenizer_merges, tokenizer_sha256, vocab_size_of
 from eyas.utils.io import EyasError, atomic_path, read_json, remove_leftovers, sha256_json
 from eyas.utils.progress import progress_bar
 from eyas.utils.schema import cli_command, option
@@ -93,10 +94,12 @@ def load_tokenizer(model: str) -> tuple[Any, str]:
 
     resolved = resolve_model(model)
     try:
-        return _tokenizer(resolved), resolved
+        tokenizer = _tokenizer(resolved)
     except Exception as e:  # OSError (not found / offline), ValueError (not a tokenizer), ...
         raise EyasError(f"cannot load the tokenizer of '{model}' ({type(e).__name__}: {str(e)[:300]}). "
                         "Pass a local model folder or a hub id available offline.") from e  # fmt: skip
+    check_tokenizer_merges(tokenizer, model)
+    return tokenizer, resolved
 
 
 @functools.lru_cache(maxsize=4)
@@ -105,26 +108,6 @@ def _tokenizer(resolved: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolved)
-
-
-def vocab_size_of(tokenizer: Any, model: str) -> int:
-    """The target's vocabulary (config.vocab_size may pad beyond the tokenizer's size)."""
-    n = len(tokenizer)
-    try:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(model)
-        n = max(n, int(getattr(cfg.get_text_config(), "vocab_size", 0) or 0))
-    except Exception:  # a tokenizer-only folder: the tokenizer's size is all we know
-        pass
-    return n
-
-
-def tokenizer_sha256(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return sha256_json(backend.to_str())
-    return sha256_json(sorted(tokenizer.get_vocab().items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,10 +264,10 @@ def prepare(cfg: PrepareOptions) -> Path:
     sources = [resolve_input(name) for name in cfg.inputs]  # fails fast on a missing file
     tokenizer, resolved = load_tokenizer(cfg.model)
     encoder = _chat_encoder(cfg, tokenizer)
-    template_sha = sha256_json(encoder.chat_template)
+    template_sha, tokenizer_sha = sha256_json(encoder.chat_template), tokenizer_sha256(tokenizer)
     options_sha = sha256_json({
         "format": FORMAT, "mask_version": MASK_VERSION, "inputs": [s.fingerprint() for s in sources],
-        "tokenizer": tokenizer_sha256(tokenizer), "chat_template": template_sha,
+        "tokenizer": tokenizer_sha, "chat_template": template_sha,
         "template_kwargs": cfg.template_kwargs, "max_length": cfg.max_length, "overlong": cfg.overlong,
         "max_samples": cfg.max_samples,
         **({"trim_loops": cfg.trim_loops} if cfg.trim_loops is not None else {}),  # older outputs stay valid
@@ -337,7 +320,8 @@ def prepare(cfg: PrepareOptions) -> Path:
         # no wall-clock time in the manifest: the same data prepared again is the same bytes, so the stages
         # that fingerprint it (extract, train) stay up to date
         manifest = writer.finish(
-            tokenizer=resolved, chat_template_sha256=template_sha, max_length=cfg.max_length,
+            tokenizer=resolved, tokenizer_sha256=tokenizer_sha, chat_template_sha256=template_sha,
+            max_length=cfg.max_length,
             overlong=cfg.overlong, skipped=dict(log.counts), truncated=truncated, options_sha256=options_sha,
             trim_loops=cfg.trim_loops, trimmed_tokens=trimmed,
             sources=[s.name for s in sources], skipped_examples=log.examples, rows_read=n_rows,

@@ -184,6 +184,10 @@ class TrainRecipe:
         owns = engine is None
         if owns and not o.model:
             raise EyasError("--online needs --model TARGET (a transformers folder or cached hub id)")
+        if owns:
+            from eyas.data.target_match import check_prepared_matches_target
+
+            check_prepared_matches_target(ds.manifest, o.prepared, resolve_model(o.model), o.trust_remote_code)
         target = open_online_target(o, self.info, ds.lengths, self.budget, engine)  # None on ranks fed by another
         engine = target.engine
         if target.feed.layout.clients:
