@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -225,9 +226,12 @@ def test_the_disk_estimate_counts_the_target_head(assets, tmp_path):
     tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=16384)
                         ).save_pretrained(tmp_path / "wide")
+    prepared = shutil.copytree(root / "prepared", tmp_path / "prepared")  # the same ids, prepared for this target
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    (prepared / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 16384}))
     with small_disk(tmp_path / "disk", "1m") as disk:
         with pytest.raises(EyasError, match=r"needs about 2\.\d MiB on .* but only .* is free"):
-            run_extract(ExtractOptions(prepared=root / "prepared", out=disk / "store", model=str(tmp_path / "wide"),
+            run_extract(ExtractOptions(prepared=prepared, out=disk / "store", model=str(tmp_path / "wide"),
                                        **OPTS))
         assert not list(partial_dir(disk / "store").glob("shard-*"))  # refused before the first shard
 
