@@ -184,3 +184,14 @@ def test_the_preflight_runs_image_samples_with_their_images(name, tmp_path, chat
     run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(targets[name]),
                                aux_layers=[0, 1, 3], dtype="float32", device="cpu"))
     assert (tmp_path / "store" / "manifest.json").is_file()
+
+
+def test_a_processor_that_needs_torchvision_says_so(targets):
+    """Kimi's own image processor needs torchvision (absent here): transformers raises a ValueError, which
+    is one error line naming what to install."""
+    pytest.importorskip("PIL")
+    if __import__("importlib").util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here")
+    media.load_processor.cache_clear()
+    with pytest.raises(media.EyasError, match=r"image processor of .* needs torchvision, which is not installed"):
+        media.load_processor(str(targets["kimi"]))

@@ -57,6 +57,29 @@ def test_figures_say_where_they_come_from_and_what_does_not_fit(tmp_path):
     assert "measured:" not in b200.split("extract:")[1].split("train")[0]  # no B200 row: scaled by compute
 
 
+def test_a_stage_over_the_share_of_the_card_vllm_fills_is_flagged():
+    """Kimi's eval at tp 8 holds 73.6 GiB a rank: under an H100's 80 GiB, over the 90% vLLM fills by default."""
+    h100 = plan_text(CONFIGS / "kimi-k2.5.yaml", "--card", "H100")
+    flagged = [line for line in h100.splitlines() if line.startswith("  ! ")]
+    assert flagged == ["  ! more than the 90% of one H100's 80 GiB (72.0 GiB) that vLLM (its default "
+                       "gpu_memory_utilization) fills: it would fail to start. Spread it over more GPUs (tp) or use "
+                       "a larger card"]
+    assert h100.index(flagged[0]) > h100.index("\neval:")  # the eval's line (extract's 69.3 GiB fits)
+    assert "! more than" not in plan_text(CONFIGS / "kimi-k2.5.yaml", "--card", "H200")
+
+
+def test_the_kimi_docs_totals_are_the_plans():
+    """docs/kimi-k2.5.md's table and its total disk are what `eyas plan` prints for the config as shipped."""
+    import re
+
+    doc = (CONFIGS.parent / "docs" / "kimi-k2.5.md").read_text()
+    text = plan_text(CONFIGS / "kimi-k2.5.yaml", "--card", "H200")
+    total = float(re.search(r"Total for the \d stage\(s\) that will run: Disk ([\d.]+) GiB", text).group(1))
+    assert f"Total disk: {total:.0f} GiB" in doc
+    table = [float(x) for x in re.findall(r"^\| (?:extract|train|export) .*?\| ([\d.]+) GiB", doc, re.M)]
+    assert len(table) == 3 and abs(sum(table) - total) <= 1.5, (table, total)
+
+
 def test_the_plan_says_what_is_up_to_date_and_what_resumes(tmp_path):
     path = write(tmp_path, {"target": "smollm2", "workdir": str(tmp_path / "w"),
                             "prepare": {"inputs": ["dummy"], "max_samples": 24, "max_length": 96}})

@@ -118,12 +118,15 @@ def load_processor(model: str) -> Any:
 
     try:
         return AutoProcessor.from_pretrained(model)
-    except ImportError as e:  # e.g. an image or video processor that needs torchvision
-        need = str(e).strip().splitlines()[0]
-        raise EyasError(f"the image processor of '{model}' cannot be loaded here: {need} Images go through the "
-                        "target's own processor: install what it names (torchvision: the build that matches "
-                        "your torch), or drop the image rows.") from e
-    except (OSError, ValueError, TypeError) as e:
+    except (ImportError, ValueError) as e:  # transformers says a missing torchvision with a ValueError
+        if isinstance(e, ImportError) or "torchvision" in str(e):
+            need = "torchvision" if "torchvision" in str(e) else str(e).strip().splitlines()[0][:200]
+            raise EyasError(f"the image processor of '{model}' needs {need}, which is not installed here. Images go "
+                            "through the target's own processor: install it (torchvision: the build that matches "
+                            "your torch), or drop the image rows.") from e
+        raise EyasError(f"'{model}' has no processor transformers can load (ValueError: {str(e)[:300]}); images "
+                        "need the target's processor files (preprocessor_config.json) next to it") from e
+    except (OSError, TypeError) as e:
         raise EyasError(f"'{model}' has no processor transformers can load ({type(e).__name__}: {str(e)[:300]}); "
                         "images need the target's processor files (preprocessor_config.json) next to it") from e
 

@@ -35,6 +35,9 @@ TRAIN_START_S = 250  # torch.compile from a cold cache before the first GPU step
 ACT_BYTES_PER_TOKEN = 1.32 * 2**20  # draft training peak, 2048 vs 8192 tokens (hidden 4096, TTT 7), per token
 
 
+VLLM_SHARE = 0.9  # vLLM's default gpu_memory_utilization: the share of each card it may fill
+
+
 @dataclass
 class Estimate:
     """One stage's figures; `notes` say where each came from."""
@@ -45,6 +48,7 @@ class Estimate:
     tokens: float = 0.0
     disk: dict[str, float] = field(default_factory=dict)  # file or folder -> bytes
     memory: dict[str, float] = field(default_factory=dict)  # what -> bytes per rank
+    usable: tuple[float, str] = (1.0, "")  # the share of a card the stage may fill, and who caps it there
     seconds: float = 0.0
     status: str = "will run"
     notes: list[str] = field(default_factory=list)
@@ -218,6 +222,8 @@ def estimate_regenerate(ctx: Context, opts: Any, nproc: int) -> Estimate:
     e = Estimate("regenerate", samples=ctx.samples, tokens=reply, seconds=reply / (tok_s * gpus))
     e.disk = {"conversations.jsonl (+ .partial while it runs)": ctx.tokens * JSON_BYTES_PER_TOKEN}
     e.memory = {"target": ctx.weights(gpus), "KV cache": 0.0}
+    if opts.generator == "vllm":
+        e.usable = (0.6, "vLLM (the gpu_memory_utilization regenerate gives it)")
     e.notes += [f"reply tokens: {REPLY_SHARE:.0%} of the prepared tokens (the share under the loss mask), at most "
                 f"{SHAREGPT_TURNS:.2f} turns x max_new_tokens per conversation",
                 "KV cache: what the generator is given (static: 60% of the free memory; vllm: 0.6 of each card)",
@@ -264,6 +270,7 @@ def estimate_extract(ctx: Context, opts: Any, nproc: int) -> Estimate:
                 "activations": budget * (4 * s.hidden + 2 * s.intermediate) * (2 if ctx.gpu else 4)}
     if opts.engine == "vllm":
         e.memory["activations"] = 0.0
+        e.usable = (VLLM_SHARE, "vLLM (its default gpu_memory_utilization)")
         e.notes.append("vllm reserves 90% of each card (its gpu_memory_utilization) for weights, activations and "
                        "the KV blocks the states pass through")
     e.notes.append(f"time: {how}" + (f", x{gpus} GPUs (assumes linear scaling)" if gpus > 1 else ""))
@@ -390,6 +397,8 @@ def estimate_eval(ctx: Context, opts: Any, nproc: int) -> Estimate:
     batched = [b for b in opts.batch_sizes if b > 1]  # each decodes every prompt again, batched: no slower
     e = Estimate("eval", samples=convs, tokens=tokens * (1 + len(batched)), seconds=tokens / tok_s * (1 + len(batched)))
     e.memory = {"target": ctx.weights(opts.tp if opts.backend == "vllm" else 1), "draft": ctx.draft_weights}
+    if opts.backend == "vllm":
+        e.usable = (VLLM_SHARE, "vLLM (its default gpu_memory_utilization)")
     e.disk = {"reports and plots": drafts * 2**20, **({"draft-untrained": ctx.draft_weights} if drafts == 2 else {})}
     e.notes += [f"{decodes:,} decodes of up to {opts.max_new_tokens} tokens ({methods} methods x {drafts} draft(s)"
                 f"{' + the target alone' if opts.baseline else ''}), one at a time"

@@ -250,6 +250,9 @@ class ExtractOptions:
     device_map: str | None = option(None, help="`auto` spreads a large target over this node's GPUs (hf engine).",
                                     show_default="none")
     shard_mb: float = option(512, help="Target shard size in MiB.")
+    kv_cache_gib: float = option(0, help="Memory for vLLM's KV cache in GiB (vllm engine); 0 = vLLM's default (on "
+                                 "a CPU: the VLLM_CPU_KVCACHE_SPACE environment variable, else 4 GiB). Lower it "
+                                 "when vLLM cannot allocate its cache.")
     trust_remote_code: bool = option(False, help="Let transformers / vLLM run the model repository's code.")
     allow_missing_weights: bool = option(False, help="Load a target whose checkpoint lacks some of its model's weights "
                                          "(transformers fills them with random values); without it that is an error "
@@ -259,8 +262,11 @@ class ExtractOptions:
                              "parallel replies, NaN/inf); stop naming the fault. Costs seconds.")
 
     def __post_init__(self) -> None:
-        if self.token_budget < 0 or self.max_samples < 0 or self.tp < 1 or self.shard_mb <= 0:
-            raise EyasError("--token-budget and --max-samples must be >= 0, --tp >= 1 and --shard-mb > 0")
+        if self.token_budget < 0 or self.max_samples < 0 or self.tp < 1 or self.shard_mb <= 0 or self.kv_cache_gib < 0:
+            raise EyasError("--token-budget, --max-samples and --kv-cache-gib must be >= 0, --tp >= 1 and "
+                            "--shard-mb > 0")
+        if self.kv_cache_gib and self.engine != "vllm":
+            raise EyasError("--kv-cache-gib sizes vLLM's KV cache: it needs --engine vllm")
         if (self.device_map is not None or self.compile is True) and self.engine != "hf":
             raise EyasError("--device-map and --compile are for the hf engine; vLLM spreads a target with --tp "
                             "and compiles it itself")
@@ -379,6 +385,8 @@ def _load_engine(opts: ExtractOptions, aux_layer_ids: list[int]) -> TargetEngine
         if compiled is None:  # worth it where kernels are fast enough for the fusing to show: a GPU
             compiled = opts.device_map is None and resolve_device(opts.device).type == "cuda"
         kw.update(device_map=opts.device_map, compile=compiled)
+    elif opts.kv_cache_gib:
+        kw["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * (1 << 30))
     return load_engine(opts.engine, resolve_model(opts.model), aux_layer_ids=aux_layer_ids, dtype=opts.dtype,
                        device=opts.device, tp=opts.tp, **kw)
 

@@ -69,9 +69,7 @@ def render(cfg: Any, config_path: Path, stages: list[Any], card: str) -> str:
         mem = {k: v for k, v in e.memory.items() if v}
         lines.append(f"  {mem_label}: " + (f"{human_bytes(sum(mem.values()))} (" + ", ".join(
             f"{k} {human_bytes(v)}" for k, v in mem.items()) + ")" if mem else "-"))
-        if sum(mem.values()) > CARDS[card].memory_gib * 2**30:
-            lines.append(f"  ! more than one {card}'s {CARDS[card].memory_gib:g} GiB: spread it (tp, device_map, "
-                         "fsdp) or use a larger card")
+        lines += over_memory(sum(mem.values()), e.usable, card, CARDS[card].memory_gib)
         lines.append(f"  Time: {human_time(e.seconds)}")
         lines += [f"    {n}" for n in e.notes]
         st = by_name[e.name]
@@ -83,6 +81,17 @@ def render(cfg: Any, config_path: Path, stages: list[Any], card: str) -> str:
     lines += ["", f"Total for the {len(todo)} stage(s) that will run: Disk {human_bytes(disk)}, Time "
               f"{human_time(seconds)} (measured rates where a row matches; extrapolations say so above)"]
     return "\n".join(lines)
+
+
+def over_memory(need: float, usable: tuple[float, str], card: str, card_gib: float) -> list[str]:
+    """A line flagging a stage whose memory per rank is over what it may use of one card, else none."""
+    share, who = usable
+    if need <= share * card_gib * 2**30:
+        return []
+    if share >= 1:
+        return [f"  ! more than one {card}'s {card_gib:g} GiB: spread it (tp, device_map, fsdp) or use a larger card"]
+    return [f"  ! more than the {share:.0%} of one {card}'s {card_gib:g} GiB ({share * card_gib:.1f} GiB) that {who} "
+            "fills: it would fail to start. Spread it over more GPUs (tp) or use a larger card"]
 
 
 @dataclass(kw_only=True)

@@ -35,7 +35,7 @@ from eyas.engines.vllm.workarounds import apply_cpu_workarounds, native_misses_l
 from eyas.engines.vllm.worker_hooks import install_hooks, remove_hooks, take_records
 from eyas.utils.io import EyasError
 
-_DTYPE_ALIASES = {"auto": "bfloat16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 _HF_ONLY_OPTIONS = {"device", "device_map", "attn_implementation"}  # accepted and ignored
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -98,6 +98,8 @@ class VllmEngine(TargetEngine):
         self._final_col = self._layer_ids.index(self.num_layers)
         self.max_model_len = int(max_model_len or min(4096, int(text.get("max_position_embeddings") or 4096)))
         self.dtype = _DTYPE_ALIASES.get(str(dtype), str(dtype))
+        if self.dtype == "auto":  # as --dtype's help says: bf16 on a GPU, float32 on a CPU (vLLM's auto: bf16)
+            self.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
 
         # The extra step that flushes finished requests' states (see _drain) needs the engine core
         # in this process; TP workers still run in their own processes.
