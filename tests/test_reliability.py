@@ -286,8 +286,103 @@ def truncate(b: bytes) -> bytes:
     return b[:len(b) // 2]
 
 
+HELD = []  # writer locks this process holds for the "another process writes" case
+
+
+def edited_target(w: World, dest: Path, edit) -> Path:
+    """A copy of the world's target with its weights changed by `edit(state_dict)`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(w.target, dest)
+    state = load_file(str(dest / "model.safetensors"))
+    edit(state)
+    save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def nan_norm(state) -> None:
+    state["model.norm.weight"][3] = float("nan")
+
+
+def guard_args(b: BadInput, w: World, tmp: Path) -> list[str] | None:
+    """The command lines of the cases where eyas must not report success on a wrong result, or None."""
+    from eyas.utils.io import writer_lock
+
+    s = str
+    extract = ["--out", s(tmp / "store"), "--device", "cpu", "--dtype", "float32"]
+    train = ["--out", s(tmp / "train"), *TRAIN_ARGS(w)]
+
+    def lost_merges() -> str:
+        shutil.copytree(w.target, tmp / "lost", ignore=shutil.ignore_patterns("*.safetensors"))
+        spec = json.loads((tmp / "lost" / "tokenizer.json").read_text())
+        spec["model"]["merges"] = []
+        (tmp / "lost" / "tokenizer.json").write_text(json.dumps(spec))
+        return s(tmp / "lost")
+
+    def other_target() -> str:
+        import transformers as tf
+
+        tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                           num_attention_heads=2, vocab_size=64)).save_pretrained(tmp / "other")
+        return s(tmp / "other")
+
+    def hold_out() -> list[str]:
+        HELD.append(writer_lock(tmp / "store", "extract"))
+        HELD[-1].__enter__()
+        return ["extract", "--prepared", s(w.prepared), "--model", s(w.target), *extract]
+
+    def nan_store() -> str:
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(w.store, tmp / "nan-store")
+        head = load_file(str(tmp / "nan-store" / "target_head.safetensors"))
+        head["norm.weight"][3] = float("nan")
+        save_file(head, str(tmp / "nan-store" / "target_head.safetensors"))
+        return s(tmp / "nan-store")
+
+    cases = {
+        ("prepare", "a tokenizer that spells English out (merges lost)"): lambda: [
+            "prepare", s(w.chat), "--model", lost_merges(), "--out", s(tmp / "out"), "--num-workers", "1"],
+        ("extract", "the checkpoint lacks a weight (lm_head)"): lambda: [
+            "extract", "--prepared", s(w.prepared), "--model",
+            s(edited_target(w, tmp / "t", lambda st: st.pop("lm_head.weight"))), *extract],
+        ("extract", "the final norm holds a NaN"): lambda: [
+            "extract", "--prepared", s(w.prepared), "--model", s(edited_target(w, tmp / "t", nan_norm)), *extract],
+        ("extract", "data prepared for another target"): lambda: [
+            "extract", "--prepared", s(w.prepared), "--model", other_target(), *extract],
+        ("extract", "another process writes the same --out"): hold_out,
+        ("train", "the draft vocabulary misses every target token"): lambda: [
+            "train", "--store", s(w.store), *train, "--draft-vocab-size", "1"],
+        ("train", "a NaN final norm in the store (NaN loss)"): lambda: ["train", "--store", nan_store(), *train],
+        ("train", "--resume over a planted pickle in state.pt"): lambda: planted_resume(w, tmp, train),
+    }
+    return cases[(b.stage, b.kind)]() if (b.stage, b.kind) in cases else None
+
+
+class _Planted:
+    def __reduce__(self):
+        return print, ("a planted pickle ran",)
+
+
+def planted_resume(w: World, tmp: Path, train: list[str]) -> list[str]:
+    """A run stopped after its step-2 checkpoint whose state.pt now holds a pickle that runs code, and the
+    command that resumes it."""
+    import torch
+
+    from eyas.recipes.train import TrainOptions, run_train
+
+    run_train(TrainOptions(store=w.store, out=tmp / "train", max_steps=6, save_every=2, log_every=1, token_budget=128,
+                           num_workers=0, device="cpu", draft_vocab_size=w.vocab, ttt_steps=2),
+              log=lambda m: None, stop_after=3)
+    torch.save({"payload": _Planted()}, tmp / "train" / "train_state" / "step-00000002" / "state.pt")
+    return ["train", "--store", str(w.store), *train, "--resume"]
+
+
 def bad_input_args(b: BadInput, w: World, tmp: Path) -> list[str]:
     """The command line of one bad input (making the broken files it needs under `tmp`)."""
+    guarded = guard_args(b, w, tmp)
+    if guarded is not None:
+        return guarded
     s, empty = str, tmp / "empty"
     empty.mkdir()
     shard = "shard-00000.safetensors"

@@ -30,7 +30,7 @@ from eyas.engines.head import TargetHead, read_target_head
 from eyas.engines.vllm.connector import CONNECTOR_MODULE, CONNECTOR_NAME, HANDOFF
 from eyas.engines.vllm.images import image_prompt
 from eyas.engines.vllm.probe import TESTED_VLLM_VERSION, probe_vllm, supports_eagle3
-from eyas.engines.vllm.runtime import cpu_shm_idents, default_tmp_root, unlink_cpu_shm
+from eyas.engines.vllm.runtime import cpu_shm_idents, default_tmp_root, explain_start_error, unlink_cpu_shm
 from eyas.engines.vllm.workarounds import apply_cpu_workarounds, native_misses_layer0
 from eyas.engines.vllm.worker_hooks import install_hooks, remove_hooks, take_records
 from eyas.utils.io import EyasError
@@ -145,8 +145,10 @@ class VllmEngine(TargetEngine):
         shm_before = cpu_shm_idents()
         try:
             self.llm = LLM(**kwargs)
-        except (NotImplementedError, ValueError) as e:
-            plain = _no_kernel_error(e, self.config, self.probe.version)
+        except Exception as e:
+            plain = _no_kernel_error(e, self.config, self.probe.version) if isinstance(
+                e, (NotImplementedError, ValueError)) else None
+            plain = plain or explain_start_error(e, str(self.model_dir))
             if plain is None:
                 raise
             raise plain from e

@@ -42,7 +42,14 @@ def run_llm(kwargs: dict[str, Any], work: Callable[[Any], None]) -> None:
     No caller may keep a reference to the engine: an old engine collected after a new one started
     would tear down the new one's process groups.
     """
-    llm = import_vllm("vllm.LLM", "install it (bash scripts/setup_vllm_venv.sh)").LLM(**kwargs)
+    vllm = import_vllm("vllm.LLM", "install it (bash scripts/setup_vllm_venv.sh)")
+    try:
+        llm = vllm.LLM(**kwargs)
+    except Exception as e:
+        plain = explain_start_error(e, str(kwargs.get("model", "the target")))
+        if plain is None:
+            raise
+        raise plain from e
     try:
         work(llm)
     finally:
@@ -54,6 +61,27 @@ def run_llm(kwargs: dict[str, Any], work: Callable[[Any], None]) -> None:
             cleanup_dist_env_and_memory()
         except ImportError:
             pass
+
+
+def explain_start_error(e: BaseException, model: str) -> EyasError | None:
+    """What a known vLLM start-up failure means and what to do, as one error; None for any other."""
+    text = f"{type(e).__name__}: {e}"
+    if "preprocessor_config.json" in text:
+        return EyasError(f"vLLM cannot start '{model}': it has no preprocessor_config.json, which vLLM reads for a "
+                         "target with a vision tower (even for text). Copy the processor files (preprocessor_config"
+                         ".json, processor_config.json) from the original model folder next to its config.json")
+    if "torchvision" in text:
+        return EyasError(f"vLLM cannot start '{model}': its image processor needs torchvision, which is not installed "
+                         "in vLLM's Python environment. Install the torchvision build that matches its torch")
+    if "media_placeholder_token_id" in text:
+        return EyasError(f"vLLM cannot serve a draft beside '{model}': its config.json has no "
+                         "media_placeholder_token_id, which vLLM reads for a Kimi target's image placeholder. Add "
+                         '"media_placeholder_token_id": <the id of <|media_pad|> in its tokenizer> to it')
+    if "kv cache" in text.lower() and ("memory" in text.lower() or "VLLM_CPU_KVCACHE_SPACE" in text):
+        return EyasError(f"vLLM cannot allocate its KV cache for '{model}' ({str(e).strip().splitlines()[0][:200]}). "
+                         "Give it less: --kv-cache-gib N on `eyas extract`, or set VLLM_CPU_KVCACHE_SPACE (GiB) on a "
+                         "CPU; or free memory")
+    return None
 
 
 def cpu_shm_idents() -> set[str]:
