@@ -259,12 +259,13 @@ def check_head(head: TargetHead) -> list[Fault]:
     give NaN or constant logits, whose argmax agrees with anything."""
     faults = []
     norm = head.norm_weight.float() + head.norm_offset
-    for name, w in (("the final norm's weight", norm), ("lm_head", head.lm_head.float())):
-        bad = int((~torch.isfinite(w)).sum())
+    for name, w in (("the final norm's weight", norm), ("lm_head", head.lm_head)):
+        parts = w.reshape(-1, w.shape[-1]).split(4096)  # a 160k x 7k head is checked without a float32 copy
+        bad = sum(int((~torch.isfinite(p)).sum()) for p in parts)
         if bad:
             faults.append(Fault("head_weights", f"{name} holds {bad} NaN/inf value(s): the checkpoint is damaged, "
                                 "and every logit of the target (and of a draft trained on it) would be NaN"))
-        elif not bool(w.any()):
+        elif not any(bool(p.any()) for p in parts):
             faults.append(Fault("head_weights", f"{name} is all zeros: every logit would be the same, so the target "
                                 "has no next token to teach; the checkpoint is damaged or was saved without it"))
     return faults
