@@ -98,3 +98,26 @@ def test_a_missing_weight_in_a_reference_copy_is_named_too(target, tmp_path):
         load_reference_copy(folder)
     assert load_reference_copy(folder, allow_missing_weights=True)[0] is not None
     assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_regenerate_refuses_a_target_whose_logits_are_nan(tmp_path, smollm2_dir):
+    """A NaN final norm makes every logit NaN, whose argmax agrees with any reply: the generator check names it."""
+    import transformers as tf
+
+    from eyas.recipes.regenerate import RegenerateOptions, run_regenerate
+
+    tok = tf.AutoTokenizer.from_pretrained(smollm2_dir)
+    torch.manual_seed(0)
+    tiny = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=len(tok),
+                                              eos_token_id=tok.eos_token_id)).eval()
+    with torch.no_grad():
+        tiny.model.norm.weight[3] = float("nan")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                    {"role": "assistant", "content": "OLD"}]}) + "\n"
+                           for q in ("Hi", "Name a color.")))
+    with pytest.raises(PreflightError, match=r"\[final_head\] the target's own logits over its prompts are not finite"):
+        run_regenerate(RegenerateOptions(inputs=[str(src)], out=tmp_path / "out.jsonl", max_new_tokens=3,
+                                         generator="generate"), model=tiny, tokenizer=tok)
+    assert not (tmp_path / "out.jsonl").exists()

@@ -86,7 +86,8 @@ def _check_loaded(model: str, missing: list[str] | set[str], allow: bool) -> Non
         raise MissingWeightsError(
             f"target '{model}' lacks {len(names)} weight(s) its model has: {', '.join(names[:8])}{more}. transformers "
             "would fill them with random values, and every state and logit after them would be wrong. Check that "
-            "every shard is there (model.safetensors.index.json), or pass --allow-missing-weights to load it anyway")
+            "every shard is there (model.safetensors.index.json); to load it anyway, pass --allow-missing-weights to "
+            "`eyas extract` (online `eyas train`: --target-options '{\"allow_missing_weights\": true}')")
 
 
 def _read_config(model: str) -> dict:

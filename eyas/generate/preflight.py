@@ -66,6 +66,10 @@ def preflight_generator(gen: Any, target: nn.Module | str, convs: list[list[dict
         return {"skipped": [name]}
     exact = isinstance(target, nn.Module) and next(model.parameters()).dtype == torch.float32
     misses = _misses(model, prompts, replies, set(gen.turns.eos), (EXACT if exact else HALF).tie)
+    if misses is None:
+        raise PreflightError(f"the {name} generator", [Fault("final_head", (
+            "the target's own logits over its prompts are not finite (NaN/inf): its weights are damaged (a NaN "
+            "final norm or lm_head), so every reply would be garbage"))])
     if misses.float().mean() > MAX_DISAGREE:
         raise PreflightError(f"the {name} generator", [Fault("generator_greedy", (
             f"its greedy replies to {len(prompts)} prompts pick the target's own next token (plain transformers "
@@ -80,9 +84,10 @@ def preflight_generator(gen: Any, target: nn.Module | str, convs: list[list[dict
 
 @torch.inference_mode()
 def _misses(model: nn.Module, prompts: list[list[int]], replies: list[list[int]], eos: set[int],
-            tie: float) -> torch.Tensor:
+            tie: float) -> torch.Tensor | None:
     """[steps] True where a reply token is not the reference's argmax (a stop token where the reference
-    also stops counts as agreeing: generators may write a different stop id)."""
+    also stops counts as agreeing: generators may write a different stop id); None when the reference's
+    logits are not finite (their argmax would agree with anything)."""
     device = model.get_input_embeddings().weight.device
     out = []
     for prompt, reply in zip(prompts, replies, strict=True):
@@ -90,6 +95,8 @@ def _misses(model: nn.Module, prompts: list[list[int]], replies: list[list[int]]
             continue
         ids = torch.tensor([prompt + reply[:-1]], device=device)
         logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:].float().cpu()  # [len(reply), V]
+        if not bool(torch.isfinite(logits).all()):
+            return None
         picks = torch.tensor(reply)
         both_stop = torch.tensor([t in eos and int(a) in eos for t, a in zip(reply, logits.argmax(-1), strict=True)])
         out.append(misses_argmax(logits, picks, tie) & ~both_stop)
