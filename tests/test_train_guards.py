@@ -138,5 +138,6 @@ def test_one_writer_per_store_and_run_folder_and_a_dead_holders_lock_is_taken_ov
         finally:
             os.kill(holder.pid, signal.SIGKILL)  # killed: its lock file stays, stale
             holder.wait()
-        start()  # the stale lock is taken over
-        assert (out / "manifest.json").is_file()
+        assert out.with_name(f".{out.name}.lock").is_file()
+        start()  # the stale lock is taken over, and removed when the run ends
+        assert (out / "manifest.json").is_file() and not out.with_name(f".{out.name}.lock").exists()

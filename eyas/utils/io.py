@@ -166,33 +166,48 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
 @contextlib.contextmanager
 def writer_lock(out: str | os.PathLike, stage: str) -> Iterator[None]:
     """One writer per output folder: `eyas STAGE` holds `.OUT.lock` next to OUT (OUT itself is renamed into
-    place) while it runs; a second writer gets an error naming the holder (pid, host, start). The lock is the
-    kernel's (flock), so a killed holder leaves none: its stale file is taken over. Under torchrun only rank 0
-    (RANK unset or 0) takes it, for all ranks."""
+    place) while it runs, and removes it when done; a second writer gets an error naming the holder (pid,
+    host, start). The lock is the kernel's (flock), so a killed holder holds none: the file it left is taken
+    over. Under torchrun only rank 0 (RANK unset or 0) takes it, for all ranks."""
     if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
     out = Path(out)
     path = out.with_name(f".{out.name}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "a process that has not written its name yet"
-            raise EyasError(f"{out} is being written by another eyas process ({holder}); two writers would "
-                            "corrupt it. Wait for it to finish (a rerun then resumes or reuses its output), stop it, "
-                            "or pick another --out") from None
+    f = _locked(path, out)
+    try:
         f.seek(0)
         f.truncate()
         f.write(f"`eyas {stage}`, pid {os.getpid()} on {socket.gethostname()}, started "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
         f.flush()
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # before the unlock: a writer that opens it later makes a file (and lock) of its own
+        f.close()
+
+
+def _locked(path: Path, out: Path) -> Any:
+    """`path` opened and flocked, the file the path names now (one removed by its holder meanwhile is retried)."""
+    while True:
+        f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for as long as the lock
         try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that has not written its name yet"
+            f.close()
+            raise EyasError(f"{out} is being written by another eyas process ({holder}); two writers would "
+                            "corrupt it. Wait for it to finish (a rerun then resumes or reuses its output), stop it, "
+                            "or pick another --out") from None
+        try:
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()  # its holder removed it between our open and our lock: take the new one
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
