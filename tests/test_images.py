@@ -195,3 +195,15 @@ def test_a_processor_that_needs_torchvision_says_so(targets):
     media.load_processor.cache_clear()
     with pytest.raises(media.EyasError, match=r"image processor of .* needs torchvision, which is not installed"):
         media.load_processor(str(targets["kimi"]))
+
+
+def test_eval_through_vllm_names_a_kimi_config_without_its_media_placeholder(tmp_path, chats, targets):
+    """vLLM reads a Kimi target's media_placeholder_token_id to serve a draft beside it: a config without it
+    is one error naming the key and its value, before any decoding (here no vLLM is needed to say so)."""
+    from eyas.recipes.evaluate import EvalOptions, run_eval
+
+    assert "media_placeholder_token_id" not in json.loads((targets["kimi"] / "config.json").read_text())
+    with pytest.raises(media.EyasError, match=r"config\.json has no media_placeholder_token_id.*add "
+                                              r"\"media_placeholder_token_id\": \d+"):
+        run_eval(EvalOptions(draft="random", model=str(targets["kimi"]), prompts=str(chats), backend="vllm",
+                             out=tmp_path / "eval", device="cpu"), log=lambda m: None)

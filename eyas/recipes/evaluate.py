@@ -194,7 +194,12 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
         raise EyasError(f"--batch-size {max(opts.batch_sizes)}: the prompts give {turns} requests, too few to keep "
                         f"that many in flight; raise --max-prompts or lower --batch-size")
     if opts.backend == "vllm":
+        from eyas.engines.vllm.images import check_config_for_a_draft
         from eyas.eval.vllm_backend import evaluate_with_vllm
+
+        config = Path(target_path) / "config.json"
+        if config.is_file():
+            check_config_for_a_draft(read_json(config), target_path)
 
         result = evaluate_with_vllm(target_path, opts.draft, sets, chains, opts.temperature, opts.top_p,
                                     opts.max_new_tokens, opts.seed, log,

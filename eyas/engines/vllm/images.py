@@ -19,6 +19,18 @@ def image_token_id(config: dict) -> int | None:
                  if isinstance(config.get(k), int)), None)
 
 
+def check_config_for_a_draft(config: dict, model: str) -> None:
+    """vLLM reads a Kimi target's `media_placeholder_token_id` when it serves a draft beside it (the draft
+    learns where images sit): a config without it fails deep in vLLM's start-up, so it is named here first."""
+    kimi = {"KimiK25ForConditionalGeneration", "KimiK3ForConditionalGeneration"}
+    if set(config.get("architectures") or []) & kimi and not isinstance(config.get("media_placeholder_token_id"),
+                                                                       int):
+        guess = image_token_id(config)
+        value = str(guess) if guess is not None else "<the id of <|media_pad|> in its tokenizer>"
+        raise EyasError(f"{model}/config.json has no media_placeholder_token_id, which vLLM reads to serve a draft "
+                        f'beside a Kimi target: add "media_placeholder_token_id": {value} to it')
+
+
 def collapse_placeholders(ids: list[int], placeholder: int) -> tuple[list[int], int]:
     """(ids with each run of `placeholder` cut to one token, the number of runs)."""
     out: list[int] = []
