@@ -135,6 +135,8 @@ BAD_INPUTS = [
              r"--chain must be comma-separated integers like 3,5,7; got 'a,b'"),
     BadInput("eval", "--tree is malformed",
              r"--tree: "),
+    BadInput("eval", "--backend vllm beside a Kimi config without media_placeholder_token_id",
+             r"config\.json has no media_placeholder_token_id, which vLLM reads to serve a draft"),
     BadInput("eval", "--temperature -1",
              r"--temperature must be >= 0"),
     BadInput("run", "text where a number belongs",

@@ -331,6 +331,11 @@ def guard_args(b: BadInput, w: World, tmp: Path) -> list[str] | None:
         HELD[-1].__enter__()
         return ["extract", "--prepared", s(w.prepared), "--model", s(w.target), *extract]
 
+    def kimi() -> str:
+        from _kimi import make_kimi
+
+        return s(make_kimi(tmp / "kimi"))
+
     def nan_store() -> str:
         from safetensors.torch import load_file, save_file
 
@@ -355,6 +360,9 @@ def guard_args(b: BadInput, w: World, tmp: Path) -> list[str] | None:
             "train", "--store", s(w.store), *train, "--draft-vocab-size", "1"],
         ("train", "a NaN final norm in the store (NaN loss)"): lambda: ["train", "--store", nan_store(), *train],
         ("train", "--resume over a planted pickle in state.pt"): lambda: planted_resume(w, tmp, train),
+        ("eval", "--backend vllm beside a Kimi config without media_placeholder_token_id"): lambda: [
+            "eval", "--draft", "random", "--model", kimi(), "--prompts", s(w.chat), "--backend", "vllm",
+            "--device", "cpu", "--out", s(tmp / "eval")],
     }
     return cases[(b.stage, b.kind)]() if (b.stage, b.kind) in cases else None
 
