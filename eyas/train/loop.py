@@ -109,7 +109,7 @@ class _Session:
         if not finite or not math.isfinite(m["loss"]):
             raise EyasError(f"the training loss is {m['loss']} at step {step}: the draft's weights are no longer "
                             "finite, so the run stops and saves no draft from them. Lower --lr, check the store for "
-                            "NaN states (`eyas extract` with its preflight), or train in fp32 (--dtype float32)")
+                            "NaN states (`eyas extract` with its preflight), or train in fp32 (--dtype fp32)")
         window_steps, self.last_log_step = step - self.last_log_step, step
         self.steps_seen += window_steps
         self.empty_seen += empty
@@ -117,7 +117,7 @@ class _Session:
         if self.empty_seen > MAX_EMPTY_FRACTION * self.steps_seen:
             why = ("their batches hold no trained (loss-masked) token: the data has no assistant replies"
                    if self.window_loss_tokens == 0 and empty == window_steps else
-                   "their trained tokens' next tokens by the target are all outside the draft vocabulary (raise "
+                   "at their trained positions the target's next token is outside the draft vocabulary (raise "
                    "--draft-vocab-size, or prepare the data with this target's tokenizer)")
             raise EyasError(f"{self.empty_seen} of the {self.steps_seen} training steps up to step {step} had no "
                             f"valid token (loss 0, gradient 0): {why}. The run stops rather than report a draft "
