@@ -41,7 +41,7 @@ from common import (  # noqa: E402
 )
 
 from eyas.data.prepared import PreparedWriter  # noqa: E402
-from eyas.engines.base import plan_batches  # noqa: E402
+from eyas.engines.base import group_batches  # noqa: E402
 from eyas.engines.hf import HFEngine, compile_layers, uncompile_layers  # noqa: E402
 from eyas.recipes.extract import ExtractOptions, default_token_budget, run_extract  # noqa: E402
 
@@ -91,7 +91,7 @@ def make_prepared(path: Path, n: int, seq_len: int, vocab: int) -> None:
 def batches_of(n: int, seq_len: int, budget: int, vocab: int, dev: torch.device) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (n, seq_len), generator=g)
-    return [ids[b].to(dev) for b in plan_batches([seq_len] * n, budget)]
+    return [ids[b].to(dev) for b in group_batches([seq_len] * n, budget)]
 
 
 @torch.inference_mode()

@@ -85,7 +85,7 @@ def main() -> None:
         make_target(target)
     prepared = run_prepare(PrepareOptions(inputs=["sharegpt"], model=str(target), out=out / "prepared",
                                           max_samples=args.samples, max_length=args.max_length, num_workers=1))
-    store = run_extract(ExtractOptions(prepared=prepared, out=out / "store", model=str(target), aux_layers=AUX,
+    store = run_extract(ExtractOptions(prepared=prepared, out=out / "store", model=str(target), aux_layer_ids=AUX,
                                        dtype="float32", device="cpu"))
     results = {a: train(store, out / f"train-{a}", a, args) for a in ("llama", "mla")}
     print(f"tiny Kimi-K2.5 target, {args.samples} ShareGPT conversations <= {args.max_length} tokens, "

@@ -45,10 +45,10 @@ from common import Spread, interleaved, paired_ratio, spread, sync, verdict  # n
 
 from eyas.engines.hf import HFEngine  # noqa: E402
 from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
-from eyas.model.draft import Eagle3Draft  # noqa: E402
+from eyas.model.eagle3 import Eagle3Draft  # noqa: E402
 from eyas.model.vocab import build_draft_vocab  # noqa: E402
 from eyas.train.config import TrainConfig  # noqa: E402
-from eyas.train.data import PackDataset, Plan, SampleSource, fill_states  # noqa: E402
+from eyas.train.data import PackDataset, PackSchedule, SampleSource, fill_states  # noqa: E402
 from eyas.train.distributed import DistInfo  # noqa: E402
 from eyas.train.online import Layout, StateSpec, TargetFeed  # noqa: E402
 from eyas.train.trainer import Trainer  # noqa: E402
@@ -131,7 +131,7 @@ def serial(engine: HFEngine, trainer: Trainer, rows: list[dict], args, dev: torc
 def online(engine: HFEngine, trainer: Trainer, prepared: Path, args, dev: torch.device) -> float:
     """`eyas train --online`'s data path feeding the same trainer."""
     lengths = np.full(args.steps + args.warmup + 4, args.tokens)
-    plan = Plan(lengths, args.tokens, seed=0, world=1, grad_accum=1)
+    plan = PackSchedule(lengths, args.tokens, seed=0, world=1, grad_accum=1)
     feed = TargetFeed(engine, Layout(0, 0, [0]), StateSpec.probe(engine), dev, depth=args.prefetch)
     batches = feed.batches(SampleSource(prepared, "prepared"), plan, 0, 0, args.steps + args.warmup,
                            num_workers=args.workers, pin=dev.type == "cuda", pad_to=args.tokens,
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Spread]:
         engine = HFEngine(make_target(shape, dev, dtype, args.tokens), dtype=dtype, device=dev)
         counts = torch.ones(SHAPES[shape][5], dtype=torch.int64)
         trainer = make_trainer(engine, shape, dev, args.ttt, args.tokens, counts)
-        plan = Plan(np.full(4, args.tokens), args.tokens, seed=0, world=1, grad_accum=1)
+        plan = PackSchedule(np.full(4, args.tokens), args.tokens, seed=0, world=1, grad_accum=1)
         rows = [PackDataset(SampleSource(prepared, "prepared"), plan.packs(0), args.tokens, args.tokens, False)[k]
                 for k in range(4)]
         cases: dict[str, Callable[[], str | float]] = {

@@ -9,7 +9,7 @@ import torch
 
 from eyas.engines.head import TargetHead
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
 
 

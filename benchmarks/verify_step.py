@@ -46,7 +46,8 @@ def main() -> None:
     from eyas.assets import resolve_model
     from eyas.engines.hf import load_hf_model
     from eyas.eval.prompts import mtbench_set, render_prompt
-    from eyas.eval.spec_decode import ChainSpec, SpeculativeDecoder, target_generate
+    from eyas.eval.proposer_base import ChainSpec
+    from eyas.eval.spec_decode import SpeculativeDecoder, target_generate
     from eyas.eval.target import HFTarget, stop_token_ids
     from eyas.recipes.evaluate import load_draft
 

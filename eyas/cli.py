@@ -1,4 +1,5 @@
-"""The `eyas` command line. Each subcommand is a thin typer wrapper owned by its recipe module."""
+"""The `eyas` command line. Each subcommand is a thin typer wrapper owned by its recipe module; `eyas run` is
+wired here, because its --dry-run prints what `eyas plan` prints and the plan recipe reads the run's stages."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import typer
 
 from eyas.recipes import bundle, evaluate, export, extract, plan, prepare, regenerate, run, train
 from eyas.utils.io import EyasError
+from eyas.utils.schema import cli_command
 
 app = typer.Typer(
     name="eyas",
-    help="Train draft models for speculative decoding (EAGLE-3, DFlash, P-EAGLE): prepare -> extract -> train -> "
-         "export -> eval, or all of them from one config with `eyas run CONFIG`. Targets are named as "
+    help="Train draft models for speculative decoding (EAGLE-3, DFlash, P-EAGLE, DSpark): prepare -> extract -> "
+         "train -> export -> eval, or all of them from one config with `eyas run CONFIG`. Targets are named as "
          "`smollm2` (the embedded default), a local folder, a GGUF file or a Hugging Face id.",
     no_args_is_help=True,
     add_completion=False,
@@ -26,7 +28,16 @@ app.command("extract", help=extract.__doc__)(extract.cli)
 app.command("train", help=train.__doc__)(train.cli)
 app.command("export", help=export.__doc__)(export.cli)
 app.command("eval", help=evaluate.__doc__)(evaluate.cli)
-app.command("run", help=run.__doc__)(run.cli)
+
+
+def _run(o: run.RunOptions) -> None:
+    if o.dry_run:
+        plan.show_plan(o.config, refuse=True)
+    else:
+        run.run_command(o)
+
+
+app.command("run", help=run.__doc__)(cli_command(run.RunOptions, _run))
 app.command("plan", help=plan.__doc__)(plan.cli)
 app.command("bundle", help=bundle.__doc__)(bundle.cli)
 

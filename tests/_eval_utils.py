@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eyas.eval import HFTarget, target_generate
 from eyas.model.attention import TTTAttention
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
 
 # -- helpers: a tiny real Llama target and a quick EAGLE-3 training loop (training-time test, 3 steps) --------

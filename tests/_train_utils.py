@@ -52,7 +52,7 @@ def make_store(root: Path, n: int = 160) -> tuple[Path, Path, Path]:
     if not (store / "manifest.json").is_file():
         make_target(target)
         make_prepared(prepared, n=n)
-        run_extract(ExtractOptions(prepared=prepared, out=store, model=str(target), engine="hf", aux_layers=AUX,
+        run_extract(ExtractOptions(prepared=prepared, out=store, model=str(target), engine="hf", aux_layer_ids=AUX,
                                    dtype="float32", device="cpu", token_budget=4096))
     return target, prepared, store
 

@@ -34,4 +34,16 @@ def test_tensor_parallel_eval_is_vllms_and_says_so():
     """`--tp` spreads the target over GPUs through vLLM; with the one-device hf backend it is refused in words."""
     out = eyas("eval", "--draft", "random", "--tp", "2", "--out", "/tmp/never-written")
     assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
-    assert "--backend vllm" in out.stdout + out.stderr
+    assert "--engine vllm" in out.stdout + out.stderr
+
+
+def test_old_spellings_of_the_target_runner_still_work_with_a_note(tmp_path):
+    """`--backend` (eval) became `--engine`, the one word for what runs the target: the old flag and YAML key
+    are still read, and say they are deprecated."""
+    out = eyas("eval", "--draft", "random", "--backend", "hf", "--tp", "2", "--out", "/tmp/never-written")
+    assert out.returncode != 0 and "--engine vllm" in out.stdout + out.stderr  # parsed as --engine hf
+    assert "--backend is now --engine" in out.stderr
+    from eyas.recipes.evaluate import EvalOptions
+    from eyas.utils.schema import from_mapping
+
+    assert from_mapping(EvalOptions, {"draft": "random", "backend": "vllm"}, "run.yaml: eval").engine == "vllm"

@@ -21,7 +21,7 @@ from eyas.model.attention import BlockAttention
 from eyas.model.checkpoints import import_draft
 from eyas.model.config import DraftConfig, DraftOptions
 from eyas.model.dflash import DFlashDraft, choose_mask_token
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.families import load_draft
 from eyas.train.dflash import BlockConfig, BlockObjective, sample_anchors
 from eyas.utils.io import EyasError
@@ -202,7 +202,7 @@ def test_dflash_resume_follows_the_same_curve(data, tmp_path, dtype):
 def test_dflash_online_follows_offline_and_options_are_checked(data, tmp_path):
     target, prepared, store = data
     train(tmp_path / "off", store, max_steps=2)
-    train(tmp_path / "on", None, prepared=prepared, online=True, model=str(target), aux_layers=AUX,
+    train(tmp_path / "on", None, prepared=prepared, online=True, model=str(target), aux_layer_ids=AUX,
           target_dtype="float32", max_steps=2)
     for a, b in zip(metric_rows(tmp_path / "off"), metric_rows(tmp_path / "on"), strict=True):
         # stored states are bf16, online ones fp32: a flipped argmax moves a slot in or out of the (small) count

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers as tf
 
-from eyas.engines import load_engine, plan_batches
+from eyas.engines import group_batches, load_engine
 from eyas.engines.base import parse_layer_ids
 from eyas.engines.hf import HFEngine
 from eyas.utils.io import EyasError
@@ -137,7 +137,10 @@ def test_load_vision_language_wrapper_from_a_folder(tmp_path):
 
 def test_default_and_bad_aux_layer_ids():
     model = build("llama")
-    assert HFEngine(model, dtype="float32", device="cpu").aux_layer_ids == [2, 3, 3]  # [2, N//2, N-3], N=6
+    # [2, N//2, N-3] repeats a layer below 7 layers: the first, middle and last past the embeddings instead
+    assert HFEngine(model, dtype="float32", device="cpu").aux_layer_ids == [1, 3, 5]
+    with pytest.raises(EyasError, match=r"\[2, 3, 3\]: a layer read twice"):
+        HFEngine(model, aux_layer_ids=[2, 3, 3], dtype="float32", device="cpu")
     with pytest.raises(EyasError, match=r"out of range.*6 decoder layers"):
         HFEngine(model, aux_layer_ids=[2, 6], dtype="float32", device="cpu")
     with pytest.raises(EyasError, match=r"in layer order, got \[4, 1\].*write 1,4"):  # vLLM would serve [1, 4]
@@ -152,21 +155,21 @@ def test_default_and_bad_aux_layer_ids():
 
 def test_plan_batches_respects_the_budget_with_little_padding():
     lengths = [5, 100, 7, 64, 64, 3, 200, 50, 51, 49]
-    batches = plan_batches(lengths, token_budget=256)
+    batches = group_batches(lengths, token_budget=256)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert max(lengths[i] for i in b) * len(b) <= 256 or len(b) == 1
     padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
     assert padded <= 1.25 * sum(lengths)
-    assert plan_batches([300], 100) == [[0]]  # longer than the budget: alone
+    assert group_batches([300], 100) == [[0]]  # longer than the budget: alone
     # a wide spread of lengths: batches split to stay mostly real tokens
     spread = list(range(10, 1010, 10))
-    batches = plan_batches(spread, token_budget=4000)
+    batches = group_batches(spread, token_budget=4000)
     for b in batches:
         pad = max(spread[i] for i in b) * len(b)
         assert pad <= 4000 and (pad - sum(spread[i] for i in b) <= 0.2 * pad
                                 or len(b) * max(spread[i] for i in b) < 2000)
-    assert plan_batches([5] * 10, 100) == [list(range(10))]  # equal lengths: one full batch
+    assert group_batches([5] * 10, 100) == [list(range(10))]  # equal lengths: one full batch
 
 
 @pytest.mark.slow

@@ -117,9 +117,9 @@ def test_native_path_matches_transformers(native_engine, reference):
     seqs, refs = reference
     eng = native_engine
     assert eng.path == "native" and eng.num_layers == N_LAYERS and eng.hidden_size == HIDDEN
-    # default ids for 4 layers are [1, 2, 2]: with a duplicate, vLLM collects {1, 2} once each
-    assert eng.aux_layer_ids == [1, 2, 2]
-    check_against_reference(eng, seqs, refs, [1, 2, 2])
+    # default ids for 4 layers: the first, middle and last past the embeddings
+    assert eng.aux_layer_ids == [1, 2, 3]
+    check_against_reference(eng, seqs, refs, [1, 2, 3])
 
 
 @needs_vllm

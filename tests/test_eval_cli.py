@@ -19,6 +19,7 @@ from eyas.eval import (
 )
 from eyas.eval.prompts import chat_file_set, humaneval_set, load_prompt_sets, mtbench_set, render_prompt
 from eyas.eval.report import write_report
+from eyas.model.family_facts import FAMILIES
 from eyas.recipes.run import in_words
 from eyas.utils.io import EyasError
 
@@ -201,19 +202,19 @@ def test_batch_sizes_are_checked_where_they_are_given(tiny_folder, tmp_path):
     from eyas.recipes.evaluate import EvalOptions, run_eval
 
     assert EvalOptions(draft="random").batch_sizes == [1]
-    assert EvalOptions(draft="random", backend="vllm", batch_sizes=[16, 1, "4"]).batch_sizes == [1, 4, 16]
+    assert EvalOptions(draft="random", engine="vllm", batch_sizes=[16, 1, "4"]).batch_sizes == [1, 4, 16]
     for bad, message in (([0], "between 1 and"), ([1, 1], "given twice"), ([], "at least one"), ([2.5], "whole"),
                          ([True], "whole")):
         with pytest.raises(EyasError, match=message):
-            EvalOptions(draft="random", backend="vllm", batch_sizes=bad)
-    with pytest.raises(EyasError, match="the hf backend decodes one prompt at a time.*--backend vllm"):
+            EvalOptions(draft="random", engine="vllm", batch_sizes=bad)
+    with pytest.raises(EyasError, match="the hf engine decodes one prompt at a time.*--engine vllm"):
         EvalOptions(draft="random", batch_sizes=[1, 4])
     res = subprocess.run([sys.executable, "-m", "eyas.cli", "eval", "--draft", "random", "--backend", "vllm",
                           "--batch-size", "1,four"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--batch-size '1,four'" in res.stderr and "Traceback" not in res.stderr, res.stderr
     with pytest.raises(EyasError, match="--batch-size 8: the prompts give 2 requests"):
         run_eval(EvalOptions(draft=str(tiny_folder / "draft"), model=str(tiny_folder / "target"), prompts="mtbench",
-                             max_prompts=1, backend="vllm", batch_sizes=[1, 8], out=tmp_path / "ev"))
+                             max_prompts=1, engine="vllm", batch_sizes=[1, 8], out=tmp_path / "ev"))
 
 
 def test_eval_names_a_missing_draft_folder(tiny_folder, tmp_path):
@@ -235,3 +236,40 @@ def test_tree_spec_parsing():
 def test_evalresult_rejects_foreign_json():
     with pytest.raises(EyasError):
         EvalResult.from_dict({"format": "something-else"})
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"eagle3"}))
+def test_random_draft_and_the_untrained_baseline_are_the_family_evaluated(tiny_folder, tmp_path, family):
+    """`eyas eval --draft random --family X` and `eyas run`'s untrained baseline build a draft of X (they
+    built EAGLE-3 whatever the family, and the eval stage of a DFlash or P-EAGLE run failed)."""
+    from eyas.model.families import build_draft, draft_class, load_draft
+    from eyas.model.family_facts import family_part
+    from eyas.recipes.evaluate import EvalOptions, random_draft, run_eval
+    from eyas.recipes.run import make_untrained_draft
+
+    target = LlamaForCausalLM.from_pretrained(tiny_folder / "target")
+    random = random_draft(str(tiny_folder / "target"), target, family)
+    assert isinstance(random, family_part(family, "model")) and random.config.family == family
+    out = run_eval(EvalOptions(draft="random", family=family, model=str(tiny_folder / "target"), prompts="mtbench",
+                               chain="2", tree="none", max_new_tokens=4, max_prompts=1, max_turns=1, baseline=True,
+                               out=tmp_path / "ev"), log=lambda m: None)
+    assert json.loads((out / "report.json").read_text())["results"]["mtbench"]["chain-2"]["identical_to_target"] == 1
+
+    trained = build_draft(random.config)
+    trained.load_state_dict(random.state_dict())
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.add_(1.0)  # "trained": every trainable tensor moved
+    trained.save_pretrained(tmp_path / "trained")
+    out = run_eval(EvalOptions(draft=str(tmp_path / "trained"), model=str(tiny_folder / "target"), prompts="mtbench",
+                               chain="2", tree="none", max_new_tokens=4, max_prompts=1, max_turns=1,
+                               out=tmp_path / "ev-trained"), log=lambda m: None)  # `eyas eval` of the family's folder
+    assert json.loads((out / "report.json").read_text())["results"]["mtbench"]["chain-2"]["identical_to_target"] == 1
+    make_untrained_draft(tmp_path / "trained", tmp_path / "untrained")
+    before = load_draft(tmp_path / "untrained")
+    assert type(before) is draft_class(random.config) and before.config == trained.config
+    after = trained.state_dict()
+    frozen = {n for n, p in trained.named_parameters() if not p.requires_grad} | dict(trained.named_buffers()).keys()
+    for name, tensor in before.state_dict().items():
+        assert torch.equal(tensor, after[name]) == (name in frozen), name

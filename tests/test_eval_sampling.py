@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eyas.eval import ChainSpec, HFTarget, SpeculativeDecoder, TreeSpec
 from eyas.eval.sampling import sample, target_probs, verify_chain_sampling, walk_tree_sampling
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -67,7 +67,7 @@ def measured(tmp_path_factory, smollm2_dir):
     chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t} for t in it.turns]}) + "\n"
                              for it in PROMPTS.items))
     out = run_eval(EvalOptions(draft=str(root / "draft"), model=str(root / "target"), prompts=f"mini={chats}",
-                               chain=str(K), tree="none", max_new_tokens=NEW_TOKENS, backend="vllm",
+                               chain=str(K), tree="none", max_new_tokens=NEW_TOKENS, engine="vllm",
                                batch_sizes=BATCH_SIZES, out=root / "eval"), log=lambda s: None)
     return {"mine": mine.table()["all"], "report": json.loads((out / "report.json").read_text()), "out": out}
 

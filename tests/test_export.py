@@ -22,7 +22,7 @@ from eyas.export import ServeOptions, export_draft
 from eyas.model.attention import causal_attend
 from eyas.model.checkpoints import check_draft_target, import_draft, read_config, read_tensors
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
 from eyas.recipes.export import ExportOptions, run_export, run_import
 from eyas.utils.io import EyasError

@@ -37,7 +37,7 @@ from _vllm_counters import check_counters, run_vllm  # noqa: E402
 from eyas.export import ServeOptions, export_draft  # noqa: E402
 from eyas.model.attention import TTTAttention, causal_attend  # noqa: E402
 from eyas.model.config import DraftConfig  # noqa: E402
-from eyas.model.draft import Eagle3Draft  # noqa: E402
+from eyas.model.eagle3 import Eagle3Draft  # noqa: E402
 from eyas.model.vocab import build_draft_vocab  # noqa: E402
 
 pytestmark = pytest.mark.vllm

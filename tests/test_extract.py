@@ -199,7 +199,7 @@ def test_bad_inputs_fail_fast_with_clear_messages(assets, tmp_path):
         run_extract(ExtractOptions(prepared=tmp_path / "nope", out=tmp_path / "s", model=str(root / "model"), **OPTS))
     with pytest.raises(EyasError, match="out of range"):
         run_extract(ExtractOptions(prepared=root / "prepared", out=tmp_path / "s", model=str(root / "model"),
-                                   aux_layers=[1, 8], **OPTS))
+                                   aux_layer_ids=[1, 8], **OPTS))
 
 
 @contextlib.contextmanager

@@ -182,7 +182,7 @@ def test_the_preflight_runs_image_samples_with_their_images(name, tmp_path, chat
         with pytest.raises(PreflightError):
             preflight_engine(engine, seqs)
     run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(targets[name]),
-                               aux_layers=[0, 1, 3], dtype="float32", device="cpu"))
+                               aux_layer_ids=[0, 1, 3], dtype="float32", device="cpu"))
     assert (tmp_path / "store" / "manifest.json").is_file()
 
 
@@ -205,5 +205,5 @@ def test_eval_through_vllm_names_a_kimi_config_without_its_media_placeholder(tmp
     assert "media_placeholder_token_id" not in json.loads((targets["kimi"] / "config.json").read_text())
     with pytest.raises(media.EyasError, match=r"config\.json has no media_placeholder_token_id.*add "
                                               r"\"media_placeholder_token_id\": \d+"):
-        run_eval(EvalOptions(draft="random", model=str(targets["kimi"]), prompts=str(chats), backend="vllm",
+        run_eval(EvalOptions(draft="random", model=str(targets["kimi"]), prompts=str(chats), engine="vllm",
                              out=tmp_path / "eval", device="cpu"), log=lambda m: None)

@@ -59,7 +59,7 @@ def test_kimi_through_every_stage(tmp_path, kimi, monkeypatch):
     ds = PreparedDataset(prepared)
     assert len(ds) == 4 and ds.manifest["media"]["num_images"] == 3
 
-    store = run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(kimi), aux_layers=AUX,
+    store = run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(kimi), aux_layer_ids=AUX,
                                        dtype="float32", device="cpu"))
     st = HiddenStore(store)
     assert (st.manifest["hidden_size"], st.manifest["num_layers"], len(st)) == (128, 4, 4)
@@ -85,7 +85,7 @@ def test_kimi_through_every_stage(tmp_path, kimi, monkeypatch):
     text.write_text("".join(line + "\n" for k, line in enumerate(chats.read_text().splitlines()) if k in (1, 3)))
     text_prepared = run_prepare(PrepareOptions(inputs=[str(text)], model=str(kimi), out=tmp_path / "text-prepared",
                                                num_workers=1))
-    online = run_train(TrainOptions(prepared=text_prepared, online=True, model=str(kimi), aux_layers=AUX,
+    online = run_train(TrainOptions(prepared=text_prepared, online=True, model=str(kimi), aux_layer_ids=AUX,
                                     target_dtype="float32", out=tmp_path / "online", **common))
     assert offline and online and (tmp_path / "online" / "draft" / "model.safetensors").is_file()
 

@@ -14,7 +14,7 @@ from _train_utils import make_store
 from eyas.engines.head import TargetHead
 from eyas.model.config import DraftConfig
 from eyas.model.dflash import DFlashDraft
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.peagle import PEagleDraft
 from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids
 from eyas.train.config import TrainConfig
@@ -189,9 +189,11 @@ def test_each_familys_fused_lk_equals_plain_autograd(family, kind):
 def test_loss_option_schema_and_fingerprint():
     """CE (the default) leaves the fingerprint as it was before --loss existed; an LK loss and its eta join it
     for every family whose objective reads them."""
-    from eyas.train.objectives import OBJECTIVES
+    from eyas.model.family_facts import FAMILIES
+    from eyas.train.objectives import objective_class
 
-    for family, objective in OBJECTIVES.items():
+    for family in FAMILIES:
+        objective = objective_class(family)
         assert {"loss", "lk_eta"} <= set(objective.options), family
         ce = TrainConfig().schedule_options(objective.options)
         lk = TrainConfig(loss="lk-lambda", lk_eta=2.0).schedule_options(objective.options)

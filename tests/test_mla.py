@@ -15,7 +15,7 @@ from test_ttt import V_D, H, V, assert_unroll_matches_replay, fast_loss, rel
 from eyas.engines.head import TargetHead
 from eyas.model.attention import causal_attend
 from eyas.model.config import DraftConfig, DraftOptions
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.mla import MLAAttention
 from eyas.model.vocab import build_draft_vocab
 from eyas.utils.io import EyasError
@@ -169,8 +169,8 @@ def test_mla_draft_for_kimi_trains_exports_imports_and_decodes(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in KIMI_CHATS))
     prepared = run_prepare(PrepareOptions(inputs=[str(chats)], model=str(kimi), out=tmp_path / "p", num_workers=1))
-    store = run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(kimi), aux_layers=[1, 2, 3],
-                                       dtype="float32", device="cpu"))
+    store = run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(kimi),
+                                       aux_layer_ids=[1, 2, 3], dtype="float32", device="cpu"))
     run_train(TrainOptions(store=store, out=tmp_path / "train", draft_attention="mla", draft_vocab_size=64,
                            ttt_steps=2, token_budget=512, num_workers=0, max_steps=3, log_every=1, save_every=0,
                            report_to="none"))

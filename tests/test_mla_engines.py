@@ -32,7 +32,7 @@ from eyas.engines.vllm.workarounds import apply_cpu_workarounds  # noqa: E402
 from eyas.eval.runner import greedy_acceptance  # noqa: E402
 from eyas.export import ServeOptions, export_draft  # noqa: E402
 from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
-from eyas.model.draft import Eagle3Draft  # noqa: E402
+from eyas.model.eagle3 import Eagle3Draft  # noqa: E402
 from eyas.model.vocab import build_draft_vocab  # noqa: E402
 from eyas.train.ttt import TTTConfig, TTTModel  # noqa: E402
 

@@ -8,7 +8,7 @@ from transformers import AutoConfig, DeepseekV3Config, LlamaConfig, Qwen3MoeConf
 
 from eyas.model.attention import KVCache, TTTAttention, causal_attend
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids
 from eyas.utils.io import EyasError
 

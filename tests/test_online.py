@@ -30,8 +30,8 @@ from _train_utils import (
 
 from eyas.engines.base import FlatCapture
 from eyas.engines.hf import HFEngine
-from eyas.model.draft import Eagle3Draft
-from eyas.train.data import Plan, SampleSource
+from eyas.model.eagle3 import Eagle3Draft
+from eyas.train.data import PackSchedule, SampleSource
 from eyas.train.online import Layout, StateSpec, TargetFeed, node_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,7 +51,7 @@ def train(out, target_engine=None, **kw):
 def test_online_equals_offline_and_a_killed_run_resumes_exactly(data, tmp_path):
     target, prepared, store = data
     engine = StoreRounded(HFEngine(str(target), aux_layer_ids=AUX, dtype="float32", device="cpu"))
-    online = dict(prepared=prepared, online=True, model=str(target), aux_layers=AUX, prefetch=2)
+    online = dict(prepared=prepared, online=True, model=str(target), aux_layer_ids=AUX, prefetch=2)
     train(tmp_path / "off", store=store)
     train(tmp_path / "on", engine, **online)
     same_curve(metric_rows(tmp_path / "off"), metric_rows(tmp_path / "on"), 1e-5)
@@ -90,7 +90,7 @@ def test_the_producer_stays_a_bounded_number_of_steps_ahead_and_its_errors_reach
     from eyas.data.prepared import PreparedDataset
 
     lengths = PreparedDataset(prepared).lengths
-    plan = Plan(np.asarray(lengths), 256, 0, world=1, grad_accum=1)
+    plan = PackSchedule(np.asarray(lengths), 256, 0, world=1, grad_accum=1)
     target = SlowTarget()
     feed = TargetFeed(target, Layout(0, 0, [0]), StateSpec(6, 2, torch.float32), torch.device("cpu"), depth=2)
     it = feed.batches(SampleSource(prepared, "prepared"), plan, 0, 0, steps=10, num_workers=0)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from _train_utils import TINY_EAGLE3, StoreRounded, make_prepared, metric_rows, same_curve, train_quietly, without_rates
 
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="needs vllm: run with .venv-vllm/bin/python")]
@@ -81,8 +81,8 @@ def test_tp2_online_equals_offline_and_a_killed_run_resumes_exactly(setup, tmp_p
 
     target, prepared, engine = setup
     store = run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(target), engine="vllm",
-                                       tp=2, aux_layers=AUX, dtype="float32"), engine_obj=Named(engine, str(target)))
-    online = dict(prepared=prepared, online=True, model=str(target), engine="vllm", tp=2, aux_layers=AUX)
+                                       tp=2, aux_layer_ids=AUX, dtype="float32"), engine_obj=Named(engine, str(target)))
+    online = dict(prepared=prepared, online=True, model=str(target), engine="vllm", tp=2, aux_layer_ids=AUX)
     train(tmp_path / "off", store=store)
     train(tmp_path / "on", StoreRounded(engine), **online)
     same_curve(metric_rows(tmp_path / "off"), metric_rows(tmp_path / "on"), 1e-5)
@@ -104,7 +104,7 @@ def test_one_vllm_target_feeds_two_torchrun_processes(setup, tmp_path):
     TP=2 sum the heads in another order: 1e-4, not 1e-5)."""
     target, prepared, engine = setup
     train(tmp_path / "one", engine, prepared=prepared, online=True, model=str(target), engine="vllm",
-          aux_layers=AUX, grad_accum=2, max_steps=4)
+          aux_layer_ids=AUX, grad_accum=2, max_steps=4)
     flags = ["--max-steps", "4", "--ttt-steps", "3", "--token-budget", "256", "--draft-vocab-size", "48",
              "--num-workers", "0", "--log-every", "1", "--report-to", "none", "--save-every", "0", "--lr", "3e-3",
              "--device", "cpu", "--val-samples", "12", "--val-every", "3", "--no-preflight", "--online",

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from eyas.recipes.run import load_config, plan_pipeline, run_pipeline, stage_keys
+from eyas.model.family_facts import FAMILIES
+from eyas.recipes.run import build_stages, load_config, run_pipeline, stage_keys
 from eyas.utils.io import EyasError, atomic_write_json, read_json
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -49,7 +50,7 @@ def test_figures_say_where_they_come_from_and_what_does_not_fit(tmp_path):
     assert "8 processes under torchrun" in text and "--nproc-per-node 8 -m eyas.cli train" in text
     assert "! more than one" not in text  # every stage spreads the 1T target: extract and eval at tp 8
     one_card = yaml.safe_load((CONFIGS / "kimi-k2.5.yaml").read_text())
-    one_card["eval"] = {**one_card["eval"], "backend": "hf", "tp": 1}
+    one_card["eval"] = {**one_card["eval"], "engine": "hf", "tp": 1}
     one_card["workdir"] = str(tmp_path / "w")
     text = plan_text(write(tmp_path, one_card), "--card", "H200")
     assert "! more than one H200's 141 GiB" in text.split("eval:")[1]  # transformers' eval holds it on one card
@@ -80,11 +81,27 @@ def test_the_kimi_docs_totals_are_the_plans():
     assert len(table) == 3 and abs(sum(table) - total) <= 1.5, (table, total)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_plan_and_dry_run_take_every_family_that_run_takes(tmp_path, family):
+    """A DFlash or P-EAGLE config leaves the mask token to train (-1: chosen from the data); `eyas plan` and
+    `eyas run --dry-run` refused it while `eyas run` took it."""
+    from eyas.cli import app
+
+    cfg = {**yaml.safe_load((CONFIGS / "smollm2-quickstart.yaml").read_text()), "workdir": str(tmp_path / "w")}
+    cfg["train"] = {**cfg["train"], "family": family}
+    cfg["eval"] = {**cfg["eval"], "tree": "8:2:4" if FAMILIES[family].trees else "none"}
+    path = write(tmp_path, cfg)
+    assert "train:" in plan_text(path, "--card", "cpu")
+    dry = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "train:" in dry.output and not (tmp_path / "w").exists()  # printed, nothing run
+
+
 def test_the_plan_says_what_is_up_to_date_and_what_resumes(tmp_path):
     path = write(tmp_path, {"target": "smollm2", "workdir": str(tmp_path / "w"),
                             "prepare": {"inputs": ["dummy"], "max_samples": 24, "max_length": 96}})
     cfg = load_config(path)
-    stages = plan_pipeline(cfg, path)
+    stages = build_stages(cfg, path)
     prepare = stages[0]
     for out in prepare.outputs:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +136,7 @@ def test_store_file_bytes_counts_every_file_extract_writes(tmp_path):
 def test_a_config_that_asks_for_processes_gets_torchrun_or_a_refusal_before_anything_runs(tmp_path, monkeypatch):
     base = {"target": "smollm2", "workdir": str(tmp_path / "w"), "prepare": {"inputs": ["dummy"]}}
     path = write(tmp_path, {**base, "train": {"nproc": 2, "device": "cpu", "lr": 0.001}})
-    (train,) = [s for s in plan_pipeline(load_config(path), path) if s.name == "train"]
+    (train,) = [s for s in build_stages(load_config(path), path) if s.name == "train"]
     assert train.nproc == 2 and train.commands[0][1:7] == ["-m", "torch.distributed.run", "--standalone",
                                                            "--nproc-per-node", "2", "-m"]
     assert train.commands[0][7:] == ["eyas.cli", "train", "--out", str(tmp_path / "w" / "train"), "--store",
@@ -135,10 +152,10 @@ def test_a_config_that_asks_for_processes_gets_torchrun_or_a_refusal_before_anyt
     monkeypatch.setattr("eyas.recipes.launch.visible_gpus", lambda: 1)  # FSDP in one process shards nothing
     path = write(tmp_path, {**base, "train": {"fsdp": True}})
     with pytest.raises(EyasError, match=r"shards over several processes and this machine has 1 GPU\(s\) for them"):
-        plan_pipeline(load_config(path), path)
+        build_stages(load_config(path), path)
     path = write(tmp_path, {**base, "eval": {"nproc": 2}})
     with pytest.raises(EyasError, match="eval.nproc: only extract and train run in several processes"):
-        plan_pipeline(load_config(path), path)
+        build_stages(load_config(path), path)
 
 
 def test_options_go_to_torchrun_as_flags_that_build_them_again():
@@ -147,7 +164,7 @@ def test_options_go_to_torchrun_as_flags_that_build_them_again():
     from eyas.utils.schema import cli_command, from_mapping, to_cli_args
 
     for cls, values in ((TrainOptions, {"out": "o", "prepared": "p", "online": True, "model": "m", "engine": "vllm",
-                                        "tp": 2, "aux_layers": "1,2", "betas": [0.8, 0.9], "compile": False,
+                                        "tp": 2, "aux_layer_ids": "1,2", "betas": [0.8, 0.9], "compile": False,
                                         "target_options": {"gpu_memory_utilization": 0.5}, "lr": 1e-3}),
                         (ExtractOptions, {"out": "s", "prepared": "p", "fp8": True, "shard_mb": 64.0})):
         opts = from_mapping(cls, values, "test")

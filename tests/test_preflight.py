@@ -242,7 +242,7 @@ def test_regenerate_checks_the_generators_greedy_replies(tmp_path, smollm2_dir, 
 
     def regen(out, **kw):
         return run_regenerate(RegenerateOptions(inputs=[str(src)], out=tmp_path / out, max_new_tokens=3,
-                                                temperature=0.7, generator="generate", **kw), model=tiny, tokenizer=tok)
+                                                temperature=0.7, engine="generate", **kw), model=tiny, tokenizer=tok)
 
     capsys.readouterr()
     regen("clean.jsonl")

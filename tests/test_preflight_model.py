@@ -78,7 +78,7 @@ def test_weights_the_checkpoint_lacks_are_named_unless_allowed(target, tmp_path,
     data = [{"input_ids": torch.arange(20), "loss_mask": torch.ones(20, dtype=torch.bool)}]
     with pytest.raises(EyasError, match=dropped[0]):  # the stage: one error line, before any work
         run_extract(ExtractOptions(prepared=tmp_path / "none", out=tmp_path / "store", model=str(folder),
-                                   aux_layers=[1, 3, 4], dtype="float32", device="cpu"), dataset=_Data(data))
+                                   aux_layer_ids=[1, 3, 4], dtype="float32", device="cpu"), dataset=_Data(data))
     assert not (tmp_path / "store").exists()
 
 

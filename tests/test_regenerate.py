@@ -151,14 +151,14 @@ def test_bad_options_are_refused_before_any_work(tmp_path, tiny, tokenizer):
     with pytest.raises(EyasError, match="temperature"):
         regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, sampling=Sampling(temperature=-1))
     with pytest.raises(EyasError, match="--generator must be one of auto, generate, static, vllm, continuous"):
-        regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, generator="hf")
+        regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="hf")
     window = tf.MistralForCausalLM(tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                     num_attention_heads=2, num_key_value_heads=1, sliding_window=64,
                                                     vocab_size=len(tokenizer))).eval()
     with pytest.raises(EyasError, match="sliding-window attention \\(64 tokens\\).*--max-length 4096"):
-        regen(src, tmp_path / "o.jsonl", model=window, tokenizer=tokenizer, generator="static")
+        regen(src, tmp_path / "o.jsonl", model=window, tokenizer=tokenizer, engine="static")
     with pytest.raises(EyasError, match="--generator vllm loads the target itself"):
-        regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, generator="vllm")
+        regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="vllm")
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -189,7 +189,7 @@ def test_continuous_generator_writes_what_generate_writes_and_resumes(tmp_path, 
     src = write_input(tmp_path / "in.jsonl")
     kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, sampling=Sampling(temperature=0, max_new_tokens=6))
     ref = regen(src, tmp_path / "ref.jsonl", **kw).read_text()
-    kw.update(generator="continuous", window=3)
+    kw.update(engine="continuous", window=3)
 
     def kill(b):
         if b == 0:
@@ -248,7 +248,7 @@ def test_vllm_generator_writes_what_generate_writes(tmp_path, tokenizer):
     src = write_input(tmp_path / "in.jsonl")
     kw = dict(batch_size=5, max_length=512, sampling=Sampling(temperature=0, max_new_tokens=8))
     ref = regen(src, tmp_path / "ref.jsonl", model=model, tokenizer=tokenizer, **kw)
-    got = regen(src, tmp_path / "vllm.jsonl", model=str(tmp_path / "target"), generator="vllm", **kw)
+    got = regen(src, tmp_path / "vllm.jsonl", model=str(tmp_path / "target"), engine="vllm", **kw)
     assert got.read_text() == ref.read_text()
     stats = json.loads((tmp_path / "vllm.jsonl.manifest.json").read_text())["stats"]
     assert stats["turns"] == 7 and stats["tokens"] > 0

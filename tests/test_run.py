@@ -13,7 +13,7 @@ import pytest
 import yaml
 from _eval_utils import check_speed_words
 
-from eyas.recipes.run import in_words, load_config, plan_pipeline, run_pipeline
+from eyas.recipes.run import build_stages, in_words, load_config, run_pipeline
 from eyas.utils.io import EyasError, read_json
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -22,7 +22,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_configs_name_only_real_options(path, capsys):
     cfg = load_config(path)
-    stages = plan_pipeline(cfg, path, refuse=False)  # every section checked against its stage's schema
+    stages = build_stages(cfg, path, refuse=False)  # every section checked against its stage's schema
     assert [s.name for s in stages][-4:] == ["extract" if not cfg.online else "prepare", "train", "export", "eval"]
     from typer.testing import CliRunner
 
@@ -92,7 +92,7 @@ def test_train_schedules_chain_drafts_and_rerun_only_what_changed(tmp_path):
     def plan(second_lr):
         schedules = [{"max_steps": 3, "lr": 3e-3}, {"max_steps": 2, "lr": second_lr}]
         cfg = RunConfig(target=str(target), workdir=tmp_path / "run", train={**common, "schedules": schedules})
-        return next(s for s in plan_pipeline(cfg, tmp_path / "x.yaml") if s.name == "train")
+        return next(s for s in build_stages(cfg, tmp_path / "x.yaml") if s.name == "train")
 
     shutil.copytree(store, tmp_path / "run" / "store")
     stage = plan(1e-3)
@@ -107,9 +107,9 @@ def test_train_schedules_chain_drafts_and_rerun_only_what_changed(tmp_path):
     assert (first.out / "manifest.json").stat().st_mtime_ns == stamp
     assert read_json(second.out / "manifest.json")["options"]["train"]["lr"] == 5e-4
     with pytest.raises(EyasError, match="train.schedules must be a list of option mappings"):
-        plan_pipeline(RunConfig(target=str(target), train={"schedules": "fast"}), tmp_path / "x.yaml")
+        build_stages(RunConfig(target=str(target), train={"schedules": "fast"}), tmp_path / "x.yaml")
     with pytest.raises(EyasError, match=r"train.schedules\[1\].lr = 'quick': expected a number"):
-        plan_pipeline(RunConfig(target=str(target), train={"schedules": [{}, {"lr": "quick"}]}), tmp_path / "x.yaml")
+        build_stages(RunConfig(target=str(target), train={"schedules": [{}, {"lr": "quick"}]}), tmp_path / "x.yaml")
 
 
 WRONG_TYPES = {  # what a hurried config holds -> what the one error line must say
@@ -142,7 +142,7 @@ def test_yaml_reads_1e_4_as_text_and_the_schema_takes_it_as_the_number(tmp_path)
     path = tmp_path / "lr.yaml"
     path.write_text(f"target: smollm2\nworkdir: {tmp_path / 'w'}\ntrain:\n  lr: 1e-4\n  warmup_ratio: 5e-2\n")
     assert yaml.safe_load(path.read_text())["train"]["lr"] == "1e-4"  # YAML 1.1 wants a dot: this is text
-    train = next(s for s in plan_pipeline(load_config(path), path) if s.name == "train")
+    train = next(s for s in build_stages(load_config(path), path) if s.name == "train")
     opts = train.options[-1] if isinstance(train.options, list) else train.options
     assert opts.lr == 1e-4 and isinstance(opts.lr, float)
 
@@ -157,12 +157,12 @@ def test_the_eval_section_takes_batch_sizes(tmp_path):
     def eval_options(section: str):
         path = tmp_path / "c.yaml"
         path.write_text(f"target: smollm2\nworkdir: {tmp_path / 'w'}\neval:\n{section}")
-        return next(s for s in plan_pipeline(load_config(path), path) if s.name == "eval").options
+        return next(s for s in build_stages(load_config(path), path) if s.name == "eval").options
 
     assert eval_options("  backend: vllm\n  batch_sizes: 16, 1,4\n").batch_sizes == [1, 4, 16]
     assert eval_options("  backend: vllm\n  batch_sizes: [1, 64]\n").batch_sizes == [1, 64]
     assert eval_options("  chain: '3'\n").batch_sizes == [1]
-    with pytest.raises(EyasError, match=r"c.yaml: eval: --batch-size 1,4: the hf backend decodes one prompt"):
+    with pytest.raises(EyasError, match=r"c.yaml: eval: --batch-size 1,4: the hf engine decodes one prompt"):
         eval_options("  batch_sizes: 1,4\n")
     with pytest.raises(EyasError, match=r"c.yaml: eval.*batch.size"):
         eval_options("  backend: vllm\n  batch_sizes: [0]\n")

@@ -20,9 +20,9 @@ from eyas.store import (
     StoreWriter,
     check_disk_for,
     partial_dir,
-    plan_shards,
     prepare_partial,
     quantize_fp8,
+    split_shards,
     verify_store,
 )
 from eyas.utils.io import EyasError
@@ -53,7 +53,7 @@ def head() -> TargetHead:
 def write_store(out, lengths, m: StoreMeta, on_shard=None, shard_bytes=6000, num_writers=2):
     """What `extract` does, with fake states: plan, fill each shard's buffer, write, finalize."""
     lengths = np.asarray(lengths)
-    plan = prepare_partial(out, m, plan_shards(lengths, m.bytes_per_token(), shard_bytes))
+    plan = prepare_partial(out, m, split_shards(lengths, m.bytes_per_token(), shard_bytes))
     w = StoreWriter(out, m, lengths, plan, on_shard=on_shard, num_writers=num_writers)
     try:
         for shard in w.todo():
@@ -166,7 +166,7 @@ def test_resume_after_a_crash_gives_identical_bytes(tmp_path):
     assert not out.exists() and (part / "shard-00001.safetensors").is_file()
     (part / ".tmp-shard-00002.safetensors").write_bytes(b"half a shard")  # a write the kill cut short
     m = meta()
-    plan = prepare_partial(out, m, plan_shards(np.asarray(LENGTHS), m.bytes_per_token(), 6000))
+    plan = prepare_partial(out, m, split_shards(np.asarray(LENGTHS), m.bytes_per_token(), 6000))
     w = StoreWriter(out, m, np.asarray(LENGTHS), plan)
     todo = [s.index for s in w.todo()]
     assert todo and 0 not in todo and 1 not in todo  # finished shards are kept, the rest is redone
@@ -181,7 +181,7 @@ def test_resume_after_a_crash_gives_identical_bytes(tmp_path):
         write_store(tmp_path / "x", LENGTHS, meta(), on_shard=crash)
     other = meta()
     other.options_sha256 = "other"
-    prepare_partial(tmp_path / "x", other, plan_shards(np.asarray(LENGTHS), other.bytes_per_token(), 6000))
+    prepare_partial(tmp_path / "x", other, split_shards(np.asarray(LENGTHS), other.bytes_per_token(), 6000))
     assert not (partial_dir(tmp_path / "x") / "shard-00000.safetensors").exists()
 
 
@@ -204,7 +204,7 @@ def test_verify_detects_corruption(tmp_path):
 def test_refuses_when_the_disk_is_too_small(tmp_path, capsys):
     m = meta()
     lengths = np.asarray([10**9] * 4000)  # ~ 3e14 bytes of states: no disk has that free
-    plan = prepare_partial(tmp_path / "huge", m, plan_shards(lengths, m.bytes_per_token(), 1 << 40))
+    plan = prepare_partial(tmp_path / "huge", m, split_shards(lengths, m.bytes_per_token(), 1 << 40))
     w = StoreWriter(tmp_path / "huge", m, lengths, plan)
     lines = []
     with pytest.raises(EyasError, match=r"needs about .*TiB.* but only .* is free"):
@@ -215,7 +215,7 @@ def test_refuses_when_the_disk_is_too_small(tmp_path, capsys):
 
 def test_plan_shards_is_contiguous_and_sized():
     lengths = np.asarray([4, 4, 4, 10, 1, 1, 1, 30, 2])
-    plan = plan_shards(lengths, bytes_per_token=10, shard_bytes=100)  # ~10 tokens per shard
+    plan = split_shards(lengths, bytes_per_token=10, shard_bytes=100)  # ~10 tokens per shard
     assert plan[0].first_sample == 0 and sum(s.num_samples for s in plan) == len(lengths)
     for a, b in zip(plan[:-1], plan[1:], strict=True):
         assert b.first_sample == a.first_sample + a.num_samples
@@ -223,8 +223,8 @@ def test_plan_shards_is_contiguous_and_sized():
         assert s.num_tokens == lengths[s.first_sample:s.first_sample + s.num_samples].sum()
         last = lengths[s.first_sample + s.num_samples - 1]
         assert s.num_tokens - last < 10  # closes at the sample that reaches the size
-    assert len(plan_shards(np.full(20, 5), 10, 10**9)) == 1
-    assert len(plan_shards(np.full(20, 5), 10, 10**9, min_shards=4)) == 4  # every rank gets a shard
+    assert len(split_shards(np.full(20, 5), 10, 10**9)) == 1
+    assert len(split_shards(np.full(20, 5), 10, 10**9, min_shards=4)) == 4  # every rank gets a shard
 
 
 def test_a_damaged_or_truncated_file_is_one_clear_error_on_opening(tmp_path):

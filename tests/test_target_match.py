@@ -52,9 +52,9 @@ def _stages(prepared, target, tmp_path):
 
     return {
         "extract": lambda: run_extract(ExtractOptions(prepared=prepared, out=tmp_path / "store", model=str(target),
-                                                      aux_layers=[1, 3, 4], device="cpu")),
+                                                      aux_layer_ids=[1, 3, 4], device="cpu")),
         "train": lambda: run_train(TrainOptions(prepared=prepared, out=tmp_path / "run", model=str(target),
-                                                online=True, aux_layers=[1, 3, 4], device="cpu"),
+                                                online=True, aux_layer_ids=[1, 3, 4], device="cpu"),
                                    log=lambda m: None),
         "eval": lambda: run_eval(EvalOptions(draft="random", model=str(target), prompts=str(prepared),
                                              out=tmp_path / "eval", device="cpu"), log=lambda m: None),

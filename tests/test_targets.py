@@ -137,7 +137,7 @@ def random_draft(target: Path, out: Path) -> Path:
     import torch
 
     from eyas.model.config import DraftConfig
-    from eyas.model.draft import Eagle3Draft
+    from eyas.model.eagle3 import Eagle3Draft
     from eyas.model.vocab import build_draft_vocab
 
     cfg = DraftConfig.from_target_config(AutoConfig.from_pretrained(target), [1, 2, 3], 64, target=str(target))

@@ -14,11 +14,11 @@ from _train_utils import AUX, first_reply_openings, metric_rows, run_tiny_train,
 from eyas.engines.hf import HFEngine
 from eyas.model.checkpoints import import_draft
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab
 from eyas.store import HiddenStore
 from eyas.train.config import TrainConfig
-from eyas.train.data import PackDataset, Plan, SampleSource, collate_pack, fill_states, plan_epoch
+from eyas.train.data import PackDataset, PackSchedule, SampleSource, collate_pack, fill_states, pack_epoch
 from eyas.train.distributed import DistInfo
 from eyas.train.trainer import Trainer
 from eyas.utils.io import EyasError
@@ -35,17 +35,17 @@ def data(tmp_path_factory):
 
 def test_plan_packs_every_sample_once_and_splits_ranks():
     lengths = np.random.default_rng(0).integers(1, 300, 500)
-    packs = plan_epoch(lengths, 512, seed=3, epoch=0)
+    packs = pack_epoch(lengths, 512, seed=3, epoch=0)
     flat = np.concatenate(packs)
     assert sorted(flat.tolist()) == list(range(500))
     assert all(np.minimum(lengths[p], 512).sum() <= 512 for p in packs)
     fill = lengths.sum() / (len(packs) * 512)
     assert fill > 0.95, f"packs only {fill:.1%} full"
-    assert [p.tolist() for p in plan_epoch(lengths, 512, 3, 0)] == [p.tolist() for p in packs]
-    assert [p.tolist() for p in plan_epoch(lengths, 512, 3, 1)] != [p.tolist() for p in packs]
+    assert [p.tolist() for p in pack_epoch(lengths, 512, 3, 0)] == [p.tolist() for p in packs]
+    assert [p.tolist() for p in pack_epoch(lengths, 512, 3, 1)] != [p.tolist() for p in packs]
     # two ranks x 2 accumulation read exactly the packs one rank x 4 accumulation reads, step by step
-    one = Plan(lengths, 512, 3, world=1, grad_accum=4).rank_packs(0, 0)
-    r0, r1 = (Plan(lengths, 512, 3, world=2, grad_accum=2).rank_packs(0, r) for r in (0, 1))
+    one = PackSchedule(lengths, 512, 3, world=1, grad_accum=4).rank_packs(0, 0)
+    r0, r1 = (PackSchedule(lengths, 512, 3, world=2, grad_accum=2).rank_packs(0, r) for r in (0, 1))
     for s in range(len(one) // 4):
         assert [p.tolist() for p in one[4 * s:4 * s + 4]] == [
             p.tolist() for p in r0[2 * s:2 * s + 2] + r1[2 * s:2 * s + 2]]
@@ -78,7 +78,7 @@ def test_offline_and_online_give_the_same_loss(data):
     draft.load_target_embedding(head.embed_tokens)
     draft.set_vocab(*build_draft_vocab(torch.arange(64), 48))
     trainer = Trainer(TrainConfig(ttt_steps=3), draft, head, DistInfo(), 10)
-    packs = Plan(st.lengths, 256, 0, 1, 1).packs(0)[:2]
+    packs = PackSchedule(st.lengths, 256, 0, 1, 1).packs(0)[:2]
     engine = HFEngine(str(target), aux_layer_ids=AUX, dtype="float32", device="cpu")
     for k in range(2):
         off = PackDataset(SampleSource(store, "store"), packs, 256, None, states=True)[k]
@@ -117,7 +117,8 @@ def test_held_out_opening_is_the_figure_of_first_replies_starts(data):
     draft.load_target_embedding(head.embed_tokens)
     draft.set_vocab(*build_draft_vocab(torch.arange(64), 48))
     trainer = Trainer(TrainConfig(ttt_steps=3), draft, head, DistInfo(), 10)
-    ds = PackDataset(SampleSource(store, "store"), Plan(st.lengths, 256, 0, 1, 1).packs(0)[:3], 256, None, states=True)
+    packs = PackSchedule(st.lengths, 256, 0, 1, 1).packs(0)[:3]
+    ds = PackDataset(SampleSource(store, "store"), packs, 256, None, states=True)
     batches = [ds[k] for k in range(3)]
     first = batches[0]["document_ids"] == batches[0]["document_ids"][0]
     batches[0]["loss_mask"][first.nonzero()[-4]] = False  # its first document now has two replies
@@ -164,7 +165,7 @@ def test_held_out_samples_are_never_trained_on_and_measure_the_draft(data, tmp_p
     train_ids, val_ids = hold_out(len(lengths), 20, seed=0)
     assert len(val_ids) == 20 and np.array_equal(np.union1d(train_ids, val_ids), np.arange(len(lengths)))
     assert np.array_equal(hold_out(len(lengths), 20, seed=0)[1], val_ids)  # seeded: a resume holds out the same
-    plan = Plan.over(lengths, train_ids, budget=256, seed=0, world=1, grad_accum=1)
+    plan = PackSchedule.over(lengths, train_ids, budget=256, seed=0, world=1, grad_accum=1)
     for epoch in range(3):
         used = np.concatenate(plan.packs(epoch))
         assert np.array_equal(np.sort(used), train_ids)
@@ -341,7 +342,8 @@ def test_online_training_follows_the_offline_curve(data, tmp_path):
               save_every=0, lr=3e-3, max_steps=3)
     off_run = run_train(TrainOptions(out=tmp_path / "off", store=store, val_samples=12, **kw), log=lambda m: None)
     on_run = run_train(TrainOptions(out=tmp_path / "on", prepared=prepared, online=True, model=str(target),
-                                    aux_layers=AUX, target_dtype="float32", val_samples=12, **kw), log=lambda m: None)
+                                    aux_layer_ids=AUX, target_dtype="float32", val_samples=12, **kw),
+                       log=lambda m: None)
     off, on = metric_rows(tmp_path / "off"), metric_rows(tmp_path / "on")
     assert [m["step"] for m in on] == [1, 2, 3, 3] and "val" in on[-1]  # the held-out samples, measured at the end
     for a, b in zip(off, on, strict=True):  # stored states are bf16, online ones fp32: close, not equal

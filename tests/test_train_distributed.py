@@ -13,7 +13,7 @@ import pytest
 import torch
 from _train_utils import make_store
 
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 
 ARGS = ["--max-steps", "3", "--ttt-steps", "3", "--token-budget", "256", "--draft-vocab-size", "48",
         "--num-workers", "0", "--log-every", "1", "--report-to", "none", "--save-every", "0", "--lr", "3e-3",

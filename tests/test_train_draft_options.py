@@ -12,9 +12,9 @@ from _train_utils import metric_rows, run_tiny_train, train_store
 
 from eyas.engines.hf import HFEngine
 from eyas.model.checkpoints import import_draft
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.store import HiddenStore
-from eyas.train.data import PackDataset, Plan, SampleSource, fill_states
+from eyas.train.data import PackDataset, PackSchedule, SampleSource, fill_states
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -167,20 +167,20 @@ def test_offline_training_on_some_of_the_stores_layers(data, tmp_path):
     states the target gives an online run capturing only those layers (to bf16 rounding); it learns,
     and a layer the store lacks is refused by name."""
     target, prepared, store = data
-    packs = Plan(HiddenStore(store).lengths, 256, 0, 1, 1).packs(0)[:1]
+    packs = PackSchedule(HiddenStore(store).lengths, 256, 0, 1, 1).packs(0)[:1]
     off = PackDataset(SampleSource(store, "store", [1, 4]), packs, 256, None, states=True)[0]
     engine = HFEngine(str(target), aux_layer_ids=[1, 4], dtype="float32", device="cpu")
     on = fill_states(PackDataset(SampleSource(prepared, "prepared"), packs, 256, None, states=False)[0], engine)
     assert off["aux_hidden"].shape == on["aux_hidden"].shape == (off["num_tokens"], 2 * 32)
     err = (off["aux_hidden"].float() - on["aux_hidden"]).norm() / on["aux_hidden"].norm()
     assert err.item() < 1e-2, err  # bf16 rounding only: the wrong layer would be ~100%
-    run_tiny_train(tmp_path / "two", store, max_steps=40, aux_layers=[1, 4])
+    run_tiny_train(tmp_path / "two", store, max_steps=40, aux_layer_ids=[1, 4])
     two = Eagle3Draft.from_pretrained(tmp_path / "two" / "draft")
     assert two.config.aux_layer_ids == [1, 4] and two.fc.weight.shape == (32, 2 * 32)
     rows = metric_rows(tmp_path / "two")
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     with pytest.raises(EyasError, match=r"holds aux layers \[1, 3, 4\], not \[2\]"):
-        run_tiny_train(tmp_path / "bad", store, max_steps=1, aux_layers=[1, 2])
+        run_tiny_train(tmp_path / "bad", store, max_steps=1, aux_layer_ids=[1, 2])
 
 
 def _trained_narrow(tmp_path, store):

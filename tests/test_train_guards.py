@@ -34,7 +34,7 @@ def _store(root, edit, tokens: int = VOCAB, n: int = 24):
     w.finish(tokenizer="random", chat_template_sha256="", max_length=256, skipped={}, truncated=0,
              options_sha256=f"guards-{tokens}", sources=[])
     run_extract(ExtractOptions(prepared=root / "prepared", out=root / "store", model=str(target), engine="hf",
-                               aux_layers=AUX, dtype="float32", device="cpu", preflight=False))
+                               aux_layer_ids=AUX, dtype="float32", device="cpu", preflight=False))
     return root / "store"
 
 
@@ -126,7 +126,7 @@ def test_one_writer_per_store_and_run_folder_and_a_dead_holders_lock_is_taken_ov
 
     store = _store(tmp_path, lambda m: None)
     again = ExtractOptions(prepared=tmp_path / "prepared", out=tmp_path / "store2", model=str(tmp_path / "target"),
-                           engine="hf", aux_layers=AUX, dtype="float32", device="cpu", preflight=False)
+                           engine="hf", aux_layer_ids=AUX, dtype="float32", device="cpu", preflight=False)
     for out, start in ((tmp_path / "store2", lambda: run_extract(again)),
                        (tmp_path / "run", lambda: run_tiny_train(tmp_path / "run", store, max_steps=2))):
         holder = _hold_lock(out)

@@ -10,7 +10,7 @@ from _train_utils import first_reply_openings, plain_reply_positions
 from eyas.engines.head import TargetHead
 from eyas.model.attention import KVCache, TTTAttention
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.model.vocab import build_draft_vocab, draft_to_target_ids, target_to_draft_ids
 from eyas.train.loss import opening_mask, reply_start_weights, step_validity, target_distribution, tau_sim
 from eyas.train.ttt import TTTConfig, TTTModel, summarize

@@ -46,7 +46,8 @@ def test_a_kv_cache_larger_than_the_machine_names_the_option(tmp_path):
     target, prepared = make_target(tmp_path / "t"), make_prepared(tmp_path / "p", n=4)
     line = _error_line("from eyas.recipes.extract import ExtractOptions, run_extract; run_extract(ExtractOptions("
                        "prepared=sys.argv[2], out=sys.argv[3], model=sys.argv[1], engine='vllm', kv_cache_gib=100000, "
-                       "aux_layers=[1, 3, 4], preflight=False))", str(target), str(prepared), str(tmp_path / "store"))
+                       "aux_layer_ids=[1, 3, 4], preflight=False))", str(target), str(prepared),
+                       str(tmp_path / "store"))
     assert "cannot allocate its KV cache" in line and "--kv-cache-gib" in line, line
 
 

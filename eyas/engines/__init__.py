@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eyas.engines.base import Capture, FlatCapture, TargetEngine, default_aux_layer_ids, plan_batches
+from eyas.engines.base import Capture, FlatCapture, TargetEngine, group_batches
 from eyas.engines.head import TargetHead
 from eyas.utils.io import EyasError
 
@@ -40,5 +40,5 @@ def load_engine(
     raise EyasError(f"unknown engine '{kind}'; choose one of {', '.join(ENGINES)}")
 
 
-__all__ = ["Capture", "FlatCapture", "TargetEngine", "TargetHead", "default_aux_layer_ids", "load_engine",
-           "plan_batches", "ENGINES"]
+__all__ = ["Capture", "FlatCapture", "TargetEngine", "TargetHead", "load_engine",
+           "group_batches", "ENGINES"]

@@ -14,11 +14,6 @@ if TYPE_CHECKING:
     from eyas.data.media import SampleMedia
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's rule: an early, a middle and a late layer (61 layers -> [2, 30, 58])."""
-    return sorted([2, num_layers // 2, num_layers - 3])  # (sorted: only targets of < 6 layers differ)
-
-
 @dataclass
 class Capture:
     """Hidden states of one sequence.
@@ -97,24 +92,7 @@ def parse_layer_ids(text: str | list[int] | None, option: str = "--aux-layers") 
         raise EyasError(f"{option} must be comma-separated integers like 2,15,27 (got {text!r})") from e
 
 
-def validate_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
-    from eyas.utils.io import EyasError
-
-    ids = [int(i) for i in aux_layer_ids]
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise EyasError(
-            f"aux layer ids {bad} are out of range for a target with {num_layers} decoder layers "
-            f"(valid: 0..{num_layers - 1}; id k is the input of decoder layer k)"
-        )
-    if ids != sorted(ids):
-        # vLLM and SGLang hand a served draft its target's layers in layer order, whatever the config's order
-        raise EyasError(f"aux layer ids must be in layer order, got {ids}: serving engines give the draft the "
-                        f"layers in that order, so write {','.join(map(str, sorted(ids)))}")
-    return ids
-
-
-def plan_batches(lengths: list[int], token_budget: int, max_padding: float = 0.2) -> list[list[int]]:
+def group_batches(lengths: list[int], token_budget: int, max_padding: float = 0.2) -> list[list[int]]:
     """Group sequence indices into batches of at most `token_budget` padded tokens (B * max T).
 
     Longest first, so the first batch shows at once whether the budget fits in memory, and

@@ -206,7 +206,7 @@ def _layer_name(k: int, num_layers: int) -> str:
     return f"hidden_states[{k}]" if k < num_layers else "the last decoder layer's output"
 
 
-def check_finite(caps: list[Capture], aux_ids: list[int], where: str) -> list[Fault]:
+def check_finite(caps: list[Capture], aux_layer_ids: list[int], where: str) -> list[Fault]:
     """Every value of every state is finite."""
     hidden = caps[0].final.shape[-1]
     for i, c in enumerate(caps):
@@ -214,17 +214,18 @@ def check_finite(caps: list[Capture], aux_ids: list[int], where: str) -> list[Fa
             bad = (~torch.isfinite(t)).nonzero()
             if len(bad):
                 row, col = bad[0].tolist()
-                what = "the final state" if name == "final" else f"aux layer {aux_ids[col // hidden]}'s state"
+                what = "the final state" if name == "final" else f"aux layer {aux_layer_ids[col // hidden]}'s state"
                 return [Fault("nonfinite", f"{what} of sample {i} ({where}) holds {len(bad)} NaN/inf value(s), the "
                               f"first at token {row}: the target overflows in this dtype, or the engine reads "
                               "memory it did not write")]
     return []
 
 
-def check_aux(caps: list[Capture], ref: Reference, aux_ids: list[int], num_layers: int, tol: Tolerance) -> list[Fault]:
+def check_aux(caps: list[Capture], ref: Reference, aux_layer_ids: list[int], num_layers: int, tol: Tolerance
+              ) -> list[Fault]:
     """Aux id k's state is transformers' hidden_states[k]; a state that is k±1's is named a shift."""
     hidden, faults = caps[0].final.shape[-1], []
-    for j, k in enumerate(aux_ids):
+    for j, k in enumerate(aux_layer_ids):
         got = [c.aux[:, j * hidden:(j + 1) * hidden] for c in caps]
         err = {m: sum(_rel(g, r[m]) for g, r in zip(got, ref.layers, strict=True)) / len(got)
                for m in (k - 1, k, k + 1) if m in ref.layers[0]}

@@ -7,9 +7,10 @@
 
 from eyas.eval.metrics import BASELINE, MethodStats
 from eyas.eval.prompts import PromptItem, PromptSet, humaneval_set, load_prompt_sets, mtbench_set
+from eyas.eval.proposer_base import ChainSpec, TreeSpec
 from eyas.eval.report import load_report, write_report
 from eyas.eval.runner import EvalResult, evaluate_draft, greedy_acceptance
-from eyas.eval.spec_decode import ChainSpec, Generation, SpeculativeDecoder, TreeSpec, target_generate
+from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget
 
 __all__ = [

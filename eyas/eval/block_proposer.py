@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from eyas.eval.proposer_base import DraftProposer
+from eyas.eval.proposer_base import ChainSpec, DraftProposer
 from eyas.model.attention import KVCache
 from eyas.model.dflash import DFlashDraft
 from eyas.utils.io import EyasError
@@ -25,8 +25,6 @@ class BlockProposer(DraftProposer):
 
     def check(self, method: Any) -> None:
         """Refuse what a block drafter cannot do before anything runs."""
-        from eyas.eval.spec_decode import ChainSpec
-
         if not isinstance(method, ChainSpec):
             raise EyasError(f"{method.name}: trees are drafted by EAGLE-3 drafts only; a dflash draft proposes a "
                             "chain per block: measure it with --chain (and --tree none)")

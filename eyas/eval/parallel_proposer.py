@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from eyas.eval.proposer_base import DraftProposer
+from eyas.eval.proposer_base import ChainSpec, DraftProposer
 from eyas.model.attention import KVCache
 from eyas.model.peagle import PEagleDraft
 from eyas.utils.io import EyasError
@@ -25,8 +25,6 @@ class ParallelProposer(DraftProposer):
 
     def check(self, method: Any) -> None:
         """Refuse what one parallel forward cannot draft before anything runs."""
-        from eyas.eval.spec_decode import ChainSpec
-
         if not isinstance(method, ChainSpec):
             raise EyasError(f"{method.name}: trees are drafted by EAGLE-3 drafts only; a peagle draft proposes a "
                             "chain in one forward: measure it with --chain (and --tree none)")

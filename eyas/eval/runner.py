@@ -20,10 +20,11 @@ import torch
 
 from eyas.eval.metrics import BASELINE, MethodStats, record_of
 from eyas.eval.prompts import PromptItem, PromptSet, render_prompt
-from eyas.eval.spec_decode import ChainSpec, Generation, Method, SpeculativeDecoder, TreeSpec, target_generate
+from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
+from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget, stop_token_ids
 from eyas.model.config import target_config_sha256
-from eyas.model.draft import Eagle3Draft
+from eyas.model.draft import DraftModel
 from eyas.utils.io import EyasError
 from eyas.utils.progress import progress_bar
 
@@ -71,7 +72,7 @@ class EvalResult:
                    serving=d.get("serving", []))
 
 
-def check_draft_fits(draft: Eagle3Draft, target_model: torch.nn.Module) -> None:
+def check_draft_fits(draft: DraftModel, target_model: torch.nn.Module) -> None:
     """Refuse a draft trained for another target with a message that says what differs."""
     cfg = draft.config
     tcfg = target_model.config
@@ -116,7 +117,7 @@ def _max_positions(model: torch.nn.Module) -> int:
 def evaluate_draft(
     target_model: torch.nn.Module,
     tokenizer: Any,
-    draft: Eagle3Draft,
+    draft: DraftModel,
     prompts: PromptSet | Sequence[PromptSet] | Sequence[str] | Sequence[Sequence[int]],
     chain: Sequence[int] = (3,),
     tree: Sequence[TreeSpec | str] = (),
@@ -171,7 +172,7 @@ def evaluate_draft(
     return result
 
 
-def _meta(target_model: torch.nn.Module, draft: Eagle3Draft, target: HFTarget, decoder: SpeculativeDecoder,
+def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, decoder: SpeculativeDecoder,
           methods: list[Method], temperature: float, top_p: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
     """The settings and machine a report's numbers were measured with."""
     dev = target.device
@@ -300,7 +301,7 @@ class _Evaluation:
 
 
 @torch.inference_mode()
-def greedy_acceptance(target_model: torch.nn.Module, tokenizer: Any, draft: Eagle3Draft,
+def greedy_acceptance(target_model: torch.nn.Module, tokenizer: Any, draft: DraftModel,
                       prompts: PromptSet | Sequence[PromptSet] | Sequence[str] | Sequence[Sequence[int]],
                       k: int = 3, max_new_tokens: int = 64, ignore_eos: bool = False) -> dict[str, Any]:
     """Greedy chain-of-K acceptance in vLLM's counters, to compare with what vLLM reports for the same draft.

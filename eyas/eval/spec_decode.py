@@ -11,9 +11,9 @@ Both models keep KV caches; nothing of the prefix is recomputed. One round:
 Alignment (the same as EAGLE-3 training and vLLM): draft entry t holds the embedding of token
 t+1 and the target's hidden state at t, at rotary position t, and predicts token t+2. With L
 tokens in the target's cache, the draft's j-th speculative token is processed at position L-1+j.
-The draft side is the family's proposer (`make_proposer`): Eagle3Proposer here, DFlash's block
-proposer in eyas.eval.block_proposer and P-EAGLE's in eyas.eval.parallel_proposer (one forward per
-round, chains only).
+The draft side is the proposer the draft's family declares (`make_proposer`): Eagle3Proposer here, the
+others in their own modules (DFlash's eyas.eval.block_proposer, P-EAGLE's eyas.eval.parallel_proposer:
+one forward per round, chains only).
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.eval.block_proposer import BlockProposer
-from eyas.eval.parallel_proposer import ParallelProposer
-from eyas.eval.proposer_base import DraftProposer
+from eyas.eval.proposer_base import ChainSpec, DraftProposer, Method, TreeSpec
 from eyas.eval.sampling import (
     sample,
     target_probs,
@@ -36,55 +34,9 @@ from eyas.eval.sampling import (
 )
 from eyas.eval.target import HFTarget, cache_crop, cache_keep
 from eyas.model.attention import KVCache
-from eyas.model.draft import DraftModel, Eagle3Draft
-
-
-@dataclass(frozen=True)
-class ChainSpec:
-    """K draft tokens in a chain, verified together."""
-
-    k: int
-
-    @property
-    def name(self) -> str:
-        return f"chain-{self.k}"
-
-    @property
-    def max_accept(self) -> int:
-        return self.k
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """EAGLE-2 dynamic tree: `depth` draft steps (the longest path), `top_k` children per expanded
-    node and `top_k` nodes expanded per step, the best `total` nodes by cumulative draft log-prob
-    kept and verified (plus the root, so the target sees total + 1 tokens)."""
-
-    total: int
-    depth: int
-    top_k: int
-
-    @property
-    def name(self) -> str:
-        return f"tree-{self.total}:{self.depth}:{self.top_k}"
-
-    @property
-    def max_accept(self) -> int:
-        return self.depth
-
-    @classmethod
-    def parse(cls, text: str) -> TreeSpec:
-        """'60:7:10' -> total 60, depth 7, top-k 10."""
-        parts = text.split(":")
-        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"tree spec {text!r} must be TOTAL:DEPTH:TOPK, e.g. 60:7:10")
-        total, depth, top_k = (int(p) for p in parts)
-        if min(total, depth, top_k) < 1:
-            raise ValueError(f"tree spec {text!r}: every number must be >= 1")
-        return cls(total, depth, top_k)
-
-
-Method = ChainSpec | TreeSpec
+from eyas.model.draft import DraftModel
+from eyas.model.eagle3 import Eagle3Draft
+from eyas.model.family_facts import family_part
 
 
 @dataclass
@@ -265,11 +217,9 @@ class Eagle3Proposer(DraftProposer):
 
 
 
-def make_proposer(draft: DraftModel, device: torch.device, vocab: int
-                  ) -> Eagle3Proposer | BlockProposer | ParallelProposer:
-    """The proposer of the draft's family."""
-    proposers = {"eagle3": Eagle3Proposer, "dflash": BlockProposer, "peagle": ParallelProposer}
-    return proposers[draft.config.family](draft, device, vocab)
+def make_proposer(draft: DraftModel, device: torch.device, vocab: int) -> DraftProposer:
+    """The proposer the draft's family declares (eyas.model.family_facts)."""
+    return family_part(draft.config.family, "proposer")(draft, device, vocab)
 
 
 class SpeculativeDecoder:

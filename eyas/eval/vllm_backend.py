@@ -1,10 +1,10 @@
-"""`eyas eval --backend vllm`: the same measurement through vLLM's own EAGLE-3 speculative decoding.
+"""`eyas eval --engine vllm`: the same measurement through vLLM's own EAGLE-3 speculative decoding.
 
 The draft is exported to vLLM's layout (eyas.export) in a temporary folder. The target alone runs
 first (its answers make MT-Bench's second turns, as in the hf backend), then one vLLM instance per
 chain length K on the same prompts, one request at a time (batch 1, like the hf backend). tau and
 acceptance by position come from vLLM's own counters (`vllm:spec_decode_*`), so they are what
-vLLM reports in production. vLLM verifies chains only here: trees are measured with --backend hf.
+vLLM reports in production. vLLM verifies chains only here: trees are measured with --engine hf.
 
 Batch sizes above 1 (`--batch-size 1,4,16`) are served the way a server sees them: every prompt of
 the run goes through vLLM's scheduler with at most that many requests in flight, a finished request
@@ -25,9 +25,10 @@ from typing import Any
 from eyas.engines.vllm.runtime import import_vllm, llm_kwargs, run_llm
 from eyas.eval.metrics import BASELINE, MethodStats
 from eyas.eval.prompts import PromptSet, render_prompt
+from eyas.eval.proposer_base import ChainSpec
 from eyas.eval.runner import EvalResult
 from eyas.eval.serving import ServingRun, runs_of, serving_rows
-from eyas.eval.spec_decode import ChainSpec, Generation
+from eyas.eval.spec_decode import Generation
 from eyas.utils.io import EyasError
 
 
@@ -66,16 +67,17 @@ def evaluate_with_vllm(target_path: str, draft: str, sets: list[PromptSet], chai
     import torch
     from transformers import AutoTokenizer
 
-    vllm = import_vllm("--backend vllm", "measure with --backend hf (transformers; chains and trees)")
+    vllm = import_vllm("--engine vllm", "measure with --engine hf (transformers; chains and trees)")
     from vllm import SamplingParams
 
-    from eyas.export.writers import ServeOptions, export_draft, family_writer
+    from eyas.export.families import export_draft, family_writer
+    from eyas.export.writers import ServeOptions
     from eyas.model.checkpoints import import_draft
 
     if not chains:
-        raise EyasError("--backend vllm measures chains (--chain K,...); trees are measured with --backend hf")
+        raise EyasError("--engine vllm measures chains (--chain K,...); trees are measured with --engine hf")
     if draft == "random":
-        raise EyasError("--backend vllm needs a draft folder; `random` is for --backend hf")
+        raise EyasError("--engine vllm needs a draft folder; `random` is for --engine hf")
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     cuda = torch.cuda.is_available()
     kwargs = llm_kwargs(target_path, seed, max_model_len=8192 if cuda else 2048, disable_log_stats=False)

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+from eyas.export.families import export_draft
 from eyas.export.writers import (
     ServeOptions,
-    export_draft,
     export_tensors,
     serve_readme,
     sglang_config,

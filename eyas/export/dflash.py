@@ -26,6 +26,7 @@ import torch
 
 import eyas
 from eyas.export.writers import FamilyWriter, _eyas_block, _llama_fields
+from eyas.model.aux_layers import LAYOUT_IDS, OUTPUT, to_layout
 from eyas.model.config import DraftConfig
 from eyas.model.dflash import DFlashDraft
 from eyas.utils.io import EyasError
@@ -42,10 +43,10 @@ def dflash_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | Non
         "target_hidden_size": cfg.target_hidden_size,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.target_num_layers,
-        # target_layer_ids i means the OUTPUT of decoder layer i: eyas' aux id (the input of layer k) minus 1
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": [k - 1 for k in cfg.aux_layer_ids],
-                          "block_size": cfg.block_size},
-        "eyas": {**_eyas_block(cfg, fmt), "family": "dflash"},
+        # target_layer_ids i means the OUTPUT of decoder layer i (eyas.model.aux_layers)
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
+                          "target_layer_ids": to_layout(cfg.aux_layer_ids, LAYOUT_IDS["block"][1])},
+        "eyas": {**_eyas_block(cfg, fmt, "block"), "family": cfg.family},
     }
 
 
@@ -102,7 +103,7 @@ def serve_readme(fmt: str, out: Path, cfg: DraftConfig, verifier: str | None, k:
         f"{cfg.num_key_value_heads} KV heads, draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size}.",
         f"- one draft forward proposes {k} tokens (a block of {k + 1}: the newest token + {k} slots filled with "
         f"token {cfg.mask_token_id}); trained for blocks of {cfg.block_size}.",
-        f"- aux layers: `dflash_config.target_layer_ids` = {[i - 1 for i in cfg.aux_layer_ids]} (the outputs of "
+        f"- aux layers: `dflash_config.target_layer_ids` = {to_layout(cfg.aux_layer_ids, OUTPUT)} (the outputs of "
         f"those decoder layers = the inputs of layers {cfg.aux_layer_ids}, as in training).",
         f"- target fingerprint (eyas): `{cfg.target_config_sha256 or 'unknown'}`; serving it with another target "
         "gives low acceptance, not an error.",

@@ -2,8 +2,8 @@
 
 What differs between the layouts, and why each difference matters, is in `eyas.model.layouts`;
 the readers that undo these writers are in `eyas.model.checkpoints`. Each draft family has a
-`FamilyWriter` (`family_writer`): EAGLE-3's is written out below, DFlash's in eyas.export.dflash,
-P-EAGLE's in eyas.export.peagle.
+`FamilyWriter`: EAGLE-3's is written out below, the others' in their own modules (eyas.export.dflash,
+eyas.export.peagle, ...); eyas.export.families picks the draft's and writes the folder.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 import eyas
+from eyas.model.aux_layers import CONVENTION_KEY, LAYOUT_IDS, OUTPUT, to_layout
 from eyas.model.config import DraftConfig
-from eyas.model.draft import DraftModel, Eagle3Draft
-from eyas.model.layouts import DECODER_PREFIX, FORMATS
+from eyas.model.eagle3 import Eagle3Draft
+from eyas.model.layouts import DECODER_PREFIX
 from eyas.model.mla import MLA_ARCHITECTURES, deepseek_layer_config
-from eyas.utils.io import EyasError, atomic_path, atomic_write_json
+from eyas.utils.io import EyasError
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format we write and test against
 EXPORT_FORMAT = "eyas.export/1"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -50,54 +50,6 @@ class FamilyWriter:
     vllm_method: str  # vLLM's speculative_config["method"]
     default_k: Callable[[DraftConfig], int]  # num_speculative_tokens when none is given
     vllm_options: dict[str, Any] = field(default_factory=dict)  # more speculative_config keys vLLM needs
-
-
-def family_writer(cfg: DraftConfig) -> FamilyWriter:
-    """The writer of the draft's family."""
-    from eyas.export.dflash import DFLASH  # they build on this module
-    from eyas.export.peagle import PEAGLE
-
-    writers = {"eagle3": EAGLE3, "dflash": DFLASH, "peagle": PEAGLE}
-    if cfg.family not in writers:
-        raise EyasError(f"eyas cannot export a {cfg.family!r} draft (families: {', '.join(writers)})")
-    return writers[cfg.family]
-
-
-def export_draft(draft: DraftModel, out: str | Path, fmt: str, options: ServeOptions | None = None,
-                 manifest: dict[str, Any] | None = None) -> Path:
-    """Write `draft` as a folder that `fmt` ("vllm", "sglang", "speculators") serves; returns it.
-
-    The folder holds config.json, model.safetensors, a README.md with the exact serve command and,
-    when given, `manifest` as manifest.json; it is written atomically (a crash leaves the old folder
-    or none).
-    """
-    options = options or ServeOptions()
-    cfg = draft.config
-    writer = family_writer(cfg)
-    if fmt not in FORMATS:
-        raise EyasError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)} (or all)")
-    if fmt not in writer.configs:
-        raise EyasError(f"a {cfg.family} draft is served in the {', '.join(writer.configs)} layout(s), not {fmt}")
-    if options.dtype not in _DTYPES:
-        raise EyasError(f"unknown dtype {options.dtype!r}: choose one of {', '.join(_DTYPES)}")
-    k = writer.default_k(cfg) if options.num_speculative_tokens is None else options.num_speculative_tokens
-    if k < 1:
-        raise EyasError(f"num_speculative_tokens must be >= 1, got {k}")
-    writer.check(cfg, fmt, k)
-    out = Path(out).absolute()
-    verifier = options.verifier or cfg.target or None
-    config = writer.configs[fmt](cfg, options.dtype, verifier=verifier, num_speculative_tokens=k)
-    tensors = writer.tensors(draft, fmt, _DTYPES[options.dtype], options.include_embedding)
-    with atomic_path(out) as tmp:
-        tmp.mkdir()
-        atomic_write_json(tmp / "config.json", config)
-        # one metadata key (the format is in manifest.json): safetensors orders several in a different way in
-        # every process, and the same export would not be the same bytes
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "README.md").write_text(writer.readme(fmt, out, cfg, verifier, k))
-        if manifest is not None:
-            atomic_write_json(tmp / "manifest.json", manifest)
-    return out
 
 
 def _check_exportable(cfg: DraftConfig, fmt: str, num_speculative_tokens: int) -> None:
@@ -184,11 +136,14 @@ def _decoder_fields(cfg: DraftConfig, dtype: str, fmt: str) -> dict[str, Any]:
     return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype)}
 
 
-def _eyas_block(cfg: DraftConfig, fmt: str) -> dict[str, Any]:
-    """What the engines don't need but a later import does: the target's identity, ids in eyas' convention."""
+def _eyas_block(cfg: DraftConfig, fmt: str, ids_layout: str | None = None) -> dict[str, Any]:
+    """What the engines don't need but a later import does: the target's identity, and the aux ids in eyas'
+    convention beside the convention of the ids the engine reads (`ids_layout`'s; default `fmt`'s), which
+    the reader checks against each other (eyas.model.aux_layers)."""
     return {"format": EXPORT_FORMAT, "layout": fmt, "eyas_version": eyas.__version__,
-            "aux_layer_ids": list(cfg.aux_layer_ids), "target": cfg.target,
-            "target_num_layers": cfg.target_num_layers, "target_config_sha256": cfg.target_config_sha256}
+            "aux_layer_ids": list(cfg.aux_layer_ids), CONVENTION_KEY: LAYOUT_IDS[ids_layout or fmt][1],
+            "target": cfg.target, "target_num_layers": cfg.target_num_layers,
+            "target_config_sha256": cfg.target_config_sha256}
 
 
 def vllm_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None = None,
@@ -200,7 +155,7 @@ def vllm_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | None 
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         # read by the target runner to pick the layers to capture (input of decoder layer k)
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "eagle_aux_hidden_state_layer_ids": to_layout(cfg.aux_layer_ids, LAYOUT_IDS["vllm"][1]),
         # read by the draft to size fc (vLLM assumes 3 without it)
         "num_aux_hidden_states": cfg.num_aux_layers,
         "norm_before_residual": False,
@@ -221,7 +176,7 @@ def sglang_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str | Non
         **_decoder_fields(cfg, dtype, "sglang"),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.aux_layer_ids],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": to_layout(cfg.aux_layer_ids, LAYOUT_IDS["sglang"][1]),
                          "use_aux_hidden_state": True},
         "eyas": _eyas_block(cfg, "sglang"),
     }
@@ -244,7 +199,7 @@ def speculators_config(cfg: DraftConfig, dtype: str = "bfloat16", verifier: str 
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "eagle_aux_hidden_state_layer_ids": to_layout(cfg.aux_layer_ids, LAYOUT_IDS["speculators"][1]),
         # vLLM's speculators reader defaults this to True when absent: always spell it out
         "norm_before_residual": False,
         "norm_before_fc": False,
@@ -292,8 +247,8 @@ def serve_readme(fmt: str, out: Path, cfg: DraftConfig, verifier: str | None, k:
                    f"--speculative-draft-model-path {out} \\\n  --speculative-num-steps {k} "
                    f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
         python = None
-        ids_note = (f"`eagle_config.eagle_aux_hidden_state_layer_ids` = {[i - 1 for i in ids]}: SGLang adds 1, so the "
-                    f"target captures the inputs of decoder layers {ids}, as in training.")
+        ids_note = (f"`eagle_config.eagle_aux_hidden_state_layer_ids` = {to_layout(ids, OUTPUT)}: SGLang adds 1, so "
+                    f"the target captures the inputs of decoder layers {ids}, as in training.")
     lines = [
         f"# EAGLE-3 draft for `{target}` ({fmt} layout)",
         "",

@@ -1,7 +1,7 @@
 """Generator "continuous": every turn streamed through transformers' continuous batching (paged KV cache).
 
-It pays off only with a flash-attention kernel: with the paged-SDPA fallback it measured slower than
-"generate" on an H200 (docs/experiments.md). Greedy runs reproduce; sampled ones depend on scheduling.
+It pays off only with a flash-attention kernel: with the paged-SDPA fallback it is slower than
+"generate" (docs/experiments.md). Greedy runs reproduce; sampled ones depend on scheduling.
 """
 
 from __future__ import annotations

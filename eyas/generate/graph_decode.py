@@ -1,7 +1,7 @@
 """Continuous batching of a transformers causal LM over static KV caches, each decode step one CUDA graph.
 
 transformers' `generate` launches every kernel of every layer from Python at each step: for a small
-target on a big GPU that is ~100 ms a step at any batch size (docs/benchmarks.md), with the GPU idle.
+target on a big GPU the step time is launch-bound at any batch size (docs/benchmarks.md), the GPU idle.
 Here the decoder owns fixed "rows" (sequence slots) in a few *lanes*, each lane one preallocated KV
 cache of one length (e.g. 512, 1,024 and 2,048 tokens). A request (a prompt) takes a free row of the
 shortest lane it fits in, is prefilled there (causal SDPA over the prompt alone), and decodes until it

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eyas.model.aux_layers import check_aux_layer_ids, default_aux_layer_ids, stated_aux_layer_ids
 from eyas.model.config import DraftConfig, target_config_sha256, target_rope, text_config
 from eyas.model.draft import DraftModel, check_state_dict
-from eyas.model.families import build_draft
+from eyas.model.families import build_draft, draft_class
+from eyas.model.family_facts import FAMILIES, family_part
 from eyas.model.layouts import DECODER_PREFIX, FORMATS, LAYOUTS
 from eyas.model.mla import mla_fields
 from eyas.utils.io import EyasError
@@ -102,14 +104,16 @@ def _strip_model(name: str) -> str:
 
 
 def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_ids: list[int] | None = None,
-                 layout: str = "auto") -> DraftModel:
+                 layout: str = "auto", force_aux_layer_ids: bool = False) -> DraftModel:
     """Read a draft in any layout (EAGLE-3: eyas, vLLM, speculators, SGLang/SpecForge, EAGLE; DFlash: eyas,
     vLLM/SGLang, SpecForge; P-EAGLE: eyas, vLLM, speculators) as the model of its family.
 
     `target` (a transformers folder) is checked against the draft (vocabulary, hidden size, layer
     count, fingerprint), supplies the embedding when the checkpoint left it out (SpecForge and EAGLE
     do), and the layer count EAGLE's hard-coded aux layers derive from. `aux_layer_ids` (eyas'
-    convention: input of decoder layer k) overrides what the checkpoint says.
+    convention: input of decoder layer k, eyas.model.aux_layers) names the layers of a checkpoint that
+    says none; one that disagrees with the checkpoint's own is refused unless `force_aux_layer_ids`
+    (relabeling a draft's layers serves it the wrong states).
     """
     path = Path(path)
     where = str(path)
@@ -125,12 +129,15 @@ def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_i
 
     if layout == "eyas":
         cfg = DraftConfig.load(path / "config.json")
-    elif is_dflash_config(config):
-        cfg = _dflash_config_from_foreign(config, where, target_config, str(target) if target else "")
-    else:
-        cfg = _config_from_foreign(config, layout, where, target_config, str(target) if target else "")
+    elif (cfg := _family_config(config, where, target_config, str(target) if target else "")) is None:
+        cfg = _config_from_foreign(config, layout, where, target_config, str(target) if target else "")  # EAGLE-3
         cfg = dataclasses.replace(cfg, **mla_fields(config, where))  # a DeepSeek (MLA) decoder layer
     if aux_layer_ids is not None:
+        stated = cfg.aux_layer_ids if layout == "eyas" else stated_aux_layer_ids(config, layout, where)
+        if stated is not None and [int(i) for i in aux_layer_ids] != list(stated) and not force_aux_layer_ids:
+            raise EyasError(f"{where}: the draft was trained on aux layers {list(stated)}; --aux-layers "
+                            f"{list(aux_layer_ids)} would relabel them and serve it states of other layers. Drop "
+                            "--aux-layers, or add --force-aux-layers if the checkpoint's ids are wrong")
         cfg.aux_layer_ids = [int(i) for i in aux_layer_ids]
     if target_config is not None:
         check_draft_target(cfg, target_config, where, str(target))
@@ -145,6 +152,17 @@ def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_i
     return model
 
 
+def _family_config(config: dict[str, Any], where: str, target_config: Any, target: str) -> DraftConfig | None:
+    """The config of a family that has a layout of its own (DFlash's `DFlashDraftModel`, ...), read by that
+    family's reader (eyas.model.family_facts); None for EAGLE-3's layouts."""
+    for fam in FAMILIES.values():
+        if "reader" in fam.parts:
+            cfg = family_part(fam.name, "reader")(config, where, target_config, target)
+            if cfg is not None:
+                return cfg
+    return None
+
+
 def _as_peagle(c: dict[str, Any], cfg: DraftConfig, state: dict[str, torch.Tensor], where: str) -> DraftConfig:
     """A P-EAGLE draft read from vLLM's or speculators' layout (eyas.export.peagle): the mask token's id, its
     learned embedding (the checkpoint's embed_tokens row) and mask_hidden (any shape of k*H_t values)."""
@@ -155,68 +173,6 @@ def _as_peagle(c: dict[str, Any], cfg: DraftConfig, state: dict[str, torch.Tenso
     state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)
     state["mask_embed"] = state["embed_tokens.weight"][int(mask)].clone()
     return dataclasses.replace(cfg, family="peagle", mask_token_id=int(mask))
-
-
-def is_dflash_config(c: dict[str, Any]) -> bool:
-    """vLLM's and SGLang's `DFlashDraftModel` (eyas' export, SpecForge, z-lab), whatever its architecture name says."""
-    archs = c.get("architectures") or []
-    return isinstance(c.get("dflash_config"), dict) or any(str(a).startswith("DFlash") for a in archs)
-
-
-def _dflash_config_from_foreign(c: dict[str, Any], where: str, target_config: Any, target: str) -> DraftConfig:
-    """DraftConfig from a DFlashDraftModel config.json, refusing variants eyas' DFlash model does not compute."""
-    block = c.get("eyas") if isinstance(c.get("eyas"), dict) else {}
-    dflash = c.get("dflash_config") if isinstance(c.get("dflash_config"), dict) else {}
-    archs = c.get("architectures") or ["DFlashDraftModel"]
-    bad = [f"architectures={archs}"] if archs != ["DFlashDraftModel"] else []  # DFlash2, Laguna, ...: other layers
-    bad += [k for k in ("attention_bias", "causal", "is_causal", "use_sliding_window") if c.get(k) or dflash.get(k)]
-    bad += [f"layer_types={c['layer_types']}"] if any(t != "full_attention" for t in c.get("layer_types") or []) else []
-    bad += [k for k in ("conv_kernel_size", "selector_rank", "attention_sink_bias", "projector_type") if dflash.get(k)]
-    if c.get("hidden_act", "silu") != "silu":
-        bad.append(f"hidden_act={c['hidden_act']}")
-    if bad:
-        raise EyasError(f"{where}: this DFlash variant is not supported by eyas' DFlash model ({', '.join(bad)})")
-    mask = dflash.get("mask_token_id", c.get("mask_token_id"))
-    if mask is None:
-        raise EyasError(f"{where}/config.json has no dflash_config.mask_token_id (SGLang would look its `<|MASK|>` "
-                        "token up in the tokenizer): add the id of the mask token to dflash_config")
-    target_layers = int(block.get("target_num_layers") or dflash.get("num_target_layers") or
-                        c.get("num_target_layers") or 0)
-    if target_config is not None:
-        target_layers = int(text_config(target_config).num_hidden_layers)
-    ids = c.get("eagle_aux_hidden_state_layer_ids")  # vLLM reads these first, as aux ids
-    if not ids:
-        ids = [int(i) + 1 for i in dflash.get("target_layer_ids", c.get("target_layer_ids")) or []]
-    if not ids:
-        raise EyasError(f"{where}: the checkpoint does not say which target layers it reads: add "
-                        "dflash_config.target_layer_ids (outputs of decoder layers, 0-based)")
-    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-    vocab = int(c["vocab_size"])
-    theta, scaling = target_rope(SimpleNamespace(**{k: v for k, v in c.items()
-                                                    if k in ("rope_theta", "rope_scaling", "rope_parameters")}))
-    return DraftConfig(
-        hidden_size=hidden,
-        intermediate_size=int(c["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or hidden // heads),
-        vocab_size=vocab,
-        draft_vocab_size=int(c.get("draft_vocab_size") or vocab),
-        target_hidden_size=int(c.get("target_hidden_size") or hidden),
-        aux_layer_ids=[int(i) for i in ids],
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        num_hidden_layers=int(c.get("num_hidden_layers", 1)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
-        family="dflash",
-        block_size=int(dflash.get("block_size") or c.get("block_size") or 16),  # SGLang's default
-        mask_token_id=int(mask),
-        target=str(block.get("target") or target or ""),
-        target_num_layers=target_layers,
-        target_config_sha256=str(block.get("target_config_sha256") or
-                                 (target_config_sha256(target_config) if target_config is not None else "")),
-    )
 
 
 def _config_from_foreign(c: dict[str, Any], layout: str, where: str, target_config: Any, target: str) -> DraftConfig:
@@ -294,19 +250,14 @@ def _sliding_window(layer: dict[str, Any], where: str) -> int:
 
 def _foreign_aux_ids(c: dict[str, Any], layout: str, where: str, target_layers: int) -> list[int]:
     """Aux layer ids in eyas' convention, read the way the layout's own engine reads them."""
-    top = c.get("eagle_aux_hidden_state_layer_ids")
-    nested = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if layout in ("vllm", "speculators") and top:
-        return [int(i) for i in top]
-    if layout == "vllm" and nested:  # vLLM reads eagle_config ids as they are
-        return [int(i) for i in nested]
-    if layout in ("sglang", "eagle") and nested:  # SGLang (and SpecForge, which trains for it) add 1
-        return [int(i) + 1 for i in nested]
-    if target_layers > 0:  # EAGLE hard-codes the inputs of layers 2, N//2, N-3; so do vLLM and SGLang by default
-        return [2, target_layers // 2, target_layers - 3]
+    ids = stated_aux_layer_ids(c, layout, where)
+    if ids is not None:
+        return ids
+    if target_layers > 0:  # EAGLE hard-codes the default rule; so do vLLM and SGLang without ids
+        return default_aux_layer_ids(target_layers)
     raise EyasError(f"{where}: the checkpoint does not say which target layers it reads (EAGLE's own checkpoints "
                     "never do): pass --target <target model folder> to use the default [2, N//2, N-3], or "
-                    "--aux-layer-ids")
+                    "--aux-layers")
 
 
 def _normalize_names(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
@@ -334,7 +285,7 @@ def _fill_missing(state: dict[str, torch.Tensor], cfg: DraftConfig, target: str 
             raise EyasError(f"{where}: the checkpoint has no embed_tokens (SpecForge and EAGLE leave the target's "
                             "embedding out): pass --target <target model folder> to copy it from the target")
         state["embed_tokens.weight"] = target_embedding(target)
-    if "lm_head.weight" not in state and cfg.family == "dflash":  # the engines use the target's head then
+    if "lm_head.weight" not in state and draft_class(cfg).head_from_target:  # the engines use the target's then
         if target is None or Vd != V:
             raise EyasError(f"{where}: the DFlash checkpoint has no lm_head (it shares the target's): pass --target "
                             "<target model folder> to copy it from the target")
@@ -393,9 +344,10 @@ def check_draft_target(cfg: DraftConfig, target_config: Any, where: str, target_
         problems.append(f"vocab_size {cfg.vocab_size} != target's {c.vocab_size}")
     if int(c.hidden_size) != cfg.target_hidden_size:
         problems.append(f"target_hidden_size {cfg.target_hidden_size} != target's hidden_size {c.hidden_size}")
-    layers = int(c.num_hidden_layers)
-    if cfg.aux_layer_ids and (min(cfg.aux_layer_ids) < 0 or max(cfg.aux_layer_ids) > layers):
-        problems.append(f"aux_layer_ids {cfg.aux_layer_ids} outside the target's layers [0, {layers}]")
+    try:
+        check_aux_layer_ids(cfg.aux_layer_ids, int(c.num_hidden_layers), "aux_layer_ids")
+    except EyasError as e:
+        problems.append(str(e))
     sha = target_config_sha256(target_config)
     if cfg.target_config_sha256 and cfg.target_config_sha256 != sha:
         problems.append(f"target_config_sha256 {cfg.target_config_sha256[:12]}... != target's {sha[:12]}... "

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from eyas.model.aux_layers import check_aux_layer_ids
+from eyas.model.family_facts import FAMILIES, FAMILY_FIELDS, Family, family
 from eyas.utils.io import EyasError, atomic_write_json, sha256_json
 from eyas.utils.schema import option
 
@@ -96,12 +98,12 @@ class DraftOptions:
                            "layer's large values do not drown an early one's (vLLM and speculators serve it).")
     norm_output: bool = option(False, help="EAGLE-3.1: each training-time-test step reads the previous step's "
                                "final-normed hidden state, not the raw one (vLLM and speculators serve it).")
-    family: Literal["eagle3", "dflash", "peagle"] = option(
-        "eagle3", help="Draft family: eagle3 (one draft forward per proposed token), dflash (block-parallel: one "
-                       "forward proposes a block) or peagle (P-EAGLE: EAGLE-3's model proposing every token of a "
-                       "chain in one forward, through learned mask slots).")
+    family: str = option("eagle3", help="Draft family: " + "; ".join(f"{f.name} ({f.summary})"
+                                                                   for f in FAMILIES.values()) + ".")
     block_size: int = option(16, help="dflash: tokens per block, the anchor included; one draft forward proposes "
                              "block_size - 1 tokens (vLLM's num_speculative_tokens).")
+    markov_rank: int = option(64, help="dspark: width of the Markov head's embedding of the previous token (vLLM "
+                              "reads at most 256).")
     mask_token_id: int = option(-1, show_default="-1: the target's pad token, else the highest id never trained on",
                                 help="dflash, peagle: the token id filling the open slots (dflash reads its frozen "
                                      "embedding there, peagle a learned one); an id the target never produces.")
@@ -131,27 +133,31 @@ class DraftOptions:
                             f"{self.draft_intermediate_size}")
         if self.draft_layers < 1:
             raise EyasError(f"--draft-layers must be >= 1, got {self.draft_layers}")
-        if self.family == "dflash" and (self.fc_norm or self.norm_output):
-            raise EyasError("--fc-norm and --norm-output are EAGLE-3.1 switches; a dflash draft has neither: drop them")
-        if self.family == "peagle" and self.norm_output:
-            raise EyasError("--norm-output changes what a chained step reads; a peagle draft proposes every token in "
-                            "one forward and never chains: drop it")
-        if self.family == "dflash" and self.block_size < 2:
+        fam = family(self.family)
+        refused = [f"--{name.replace('_', '-')}" for name in ("fc_norm", "norm_output")
+                   if getattr(self, name) and name not in fam.switches]
+        if refused:
+            raise EyasError(f"{' and '.join(refused)}: EAGLE-3.1 switches a {fam.name} draft does not have (it "
+                            "proposes a whole chain in one forward and never chains its own outputs): drop them")
+        if "markov_rank" in fam.config_fields and not 1 <= self.markov_rank <= 256:
+            raise EyasError(f"--markov-rank must be in 1..256 (vLLM caps the Markov head there), got "
+                            f"{self.markov_rank}")
+        if "block_size" in fam.config_fields and self.block_size < 2:
             raise EyasError(f"--block-size must be >= 2 (the anchor and at least one proposed token), got "
                             f"{self.block_size}")
         if self.draft_window < 0:
             raise EyasError(f"--draft-window must be >= 0 (0 = full attention), got {self.draft_window}")
-        if self.draft_window and (self.family != "eagle3" or self.draft_attention != "llama"):
+        if self.draft_window and ("window" not in fam.switches or self.draft_attention != "llama"):
             raise EyasError("--draft-window is a sliding window of an EAGLE-3 draft's Llama attention; a "
                             f"{self.family} draft with {self.draft_attention} attention has none: drop it")
-        self._check_mla()
+        self._check_mla(fam)
 
-    def _check_mla(self) -> None:
+    def _check_mla(self, fam: Family) -> None:
         dims = {name: getattr(self, "mla_" + name) for name in MLA_DIMS}
         given = [f"--mla-{name.replace('_', '-')}" for name, v in dims.items() if v is not None]
         if self.draft_attention != "mla" and given:
             raise EyasError(f"{', '.join(given)} shape an MLA draft layer: add --draft-attention mla, or drop them")
-        if self.draft_attention == "mla" and self.family != "eagle3":
+        if self.draft_attention == "mla" and "mla" not in fam.switches:
             raise EyasError(f"--draft-attention mla is an EAGLE-3 draft layer; a {self.family} draft has none: drop it")
         low = [f"--mla-{name.replace('_', '-')} {v}" for name, v in dims.items()
                if v is not None and v < (0 if name == "q_lora_rank" else 1)]
@@ -159,7 +165,6 @@ class DraftOptions:
             raise EyasError(f"{', '.join(low)}: MLA dims must be >= 1 (--mla-q-lora-rank >= 0, 0 = no q compression)")
 
 
-_FAMILY_FIELDS = ("family", "block_size", "mask_token_id")  # DraftConfig fields EAGLE-3 configs leave out
 MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _MLA_FIELDS = ("attention", *MLA_DIMS)  # DraftConfig fields drafts with Llama-style attention leave out
 
@@ -189,9 +194,10 @@ class DraftConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
-    family: str = "eagle3"  # the draft family (eyas.model.families); absent in older drafts
+    family: str = "eagle3"  # the draft family (eyas.model.family_facts); absent in older drafts
     block_size: int = 0  # dflash: tokens per block, the anchor included
     mask_token_id: int = -1  # dflash, peagle: the token id of the open slots
+    markov_rank: int = 0  # dspark: the Markov head's rank
     sliding_window: int = 0  # the draft attends to the last this many positions; 0 = all (absent when 0)
     target: str = ""
     target_num_layers: int = 0
@@ -243,15 +249,13 @@ class DraftConfig:
             fc_norm=opts.fc_norm,
             norm_output=opts.norm_output,
             target_hidden_size=hidden,
-            aux_layer_ids=[int(i) for i in aux_layer_ids],
+            aux_layer_ids=check_aux_layer_ids(aux_layer_ids, int(c.num_hidden_layers)),
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max(target_positions, max_position_embeddings or 0),
             hidden_act=str(getattr(c, "hidden_act", "silu")),
-            family=opts.family,
-            block_size=opts.block_size if opts.family == "dflash" else 0,
-            mask_token_id=opts.mask_token_id if opts.family in ("dflash", "peagle") else -1,
+            **{name: getattr(opts, name) for name in family(opts.family).config_fields},
             sliding_window=opts.draft_window,
             target=target,
             target_num_layers=int(c.num_hidden_layers),
@@ -265,14 +269,11 @@ class DraftConfig:
         return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as JSON; an EAGLE-3 config leaves the other families' fields out, so it reads (and
+        """The config as JSON; the fields other families own are left out, so an EAGLE-3 config reads (and
         fingerprints) exactly as drafts written before families existed."""
         data = dataclasses.asdict(self)
-        if self.family == "eagle3":
-            for name in _FAMILY_FIELDS:
-                data.pop(name)
-        if self.family == "peagle":
-            data.pop("block_size")
+        for name in set(FAMILY_FIELDS) - set(family(self.family).config_fields):
+            data.pop(name)
         if self.attention == "llama":
             for name in _MLA_FIELDS:
                 data.pop(name)

@@ -24,11 +24,16 @@ context when decoding (eyas.eval.block_proposer).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 from torch import nn
 
-from eyas.model.config import DraftConfig
-from eyas.model.draft import Attend, DraftMLP, DraftModel, RMSNorm, apply_rope
+from eyas.model.aux_layers import stated_aux_layer_ids
+from eyas.model.config import DraftConfig, target_config_sha256, target_rope, text_config
+from eyas.model.draft import DraftModel
+from eyas.model.layers import Attend, DraftMLP, RMSNorm, apply_rope
 from eyas.model.vocab import draft_to_target_ids
 from eyas.utils.io import EyasError
 
@@ -173,3 +178,71 @@ def choose_mask_token(counts: torch.Tensor, pad_token_id: int | None) -> int:
         raise EyasError("every token id of the vocabulary is trained on: pass --mask-token-id with an id the target "
                         "should never produce")
     return int(never[-1])
+
+# -- reading vLLM's and SGLang's `DFlashDraftModel` (eyas.export.dflash writes it) ----------------------------
+
+
+def dflash_config_from_foreign(c: dict[str, Any], where: str, target_config: Any, target: str) -> DraftConfig | None:
+    """DraftConfig of a `DFlashDraftModel` config.json (eyas' export, SpecForge, z-lab); None for a config of
+    another architecture. DFlash's other variants (DFlash2, Laguna, ...) are refused by name."""
+    archs = c.get("architectures") or []
+    named = any(str(a).startswith("DFlash") for a in archs)
+    if not (named or (not archs and isinstance(c.get("dflash_config"), dict))):
+        return None
+    return block_draft_config(c, where, target_config, target, "dflash", "DFlashDraftModel")
+
+
+def block_draft_config(c: dict[str, Any], where: str, target_config: Any, target: str, family: str,
+                       architecture: str) -> DraftConfig:
+    """DraftConfig from a DFlash-style config.json (a Qwen3 layer config with a `dflash_config`), refusing
+    variants eyas' model does not compute."""
+    block = c.get("eyas") if isinstance(c.get("eyas"), dict) else {}
+    dflash = c.get("dflash_config") if isinstance(c.get("dflash_config"), dict) else {}
+    archs = c.get("architectures") or [architecture]
+    bad = [f"architectures={archs}"] if archs != [architecture] else []  # DFlash2, Laguna, ...: other layers
+    bad += [k for k in ("attention_bias", "causal", "is_causal", "use_sliding_window") if c.get(k) or dflash.get(k)]
+    bad += [f"layer_types={c['layer_types']}"] if any(t != "full_attention" for t in c.get("layer_types") or []) else []
+    bad += [k for k in ("conv_kernel_size", "selector_rank", "attention_sink_bias", "projector_type") if dflash.get(k)]
+    if c.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act={c['hidden_act']}")
+    if bad:
+        raise EyasError(f"{where}: this {architecture} variant is not supported by eyas ({', '.join(bad)})")
+    mask = dflash.get("mask_token_id", c.get("mask_token_id"))
+    if mask is None:
+        raise EyasError(f"{where}/config.json has no dflash_config.mask_token_id (SGLang would look its `<|MASK|>` "
+                        "token up in the tokenizer): add the id of the mask token to dflash_config")
+    target_layers = int(block.get("target_num_layers") or dflash.get("num_target_layers") or
+                        c.get("num_target_layers") or 0)
+    if target_config is not None:
+        target_layers = int(text_config(target_config).num_hidden_layers)
+    ids = stated_aux_layer_ids(c, "block", where)
+    if not ids:
+        raise EyasError(f"{where}: the checkpoint does not say which target layers it reads: add "
+                        "dflash_config.target_layer_ids (outputs of decoder layers, 0-based)")
+    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    vocab = int(c["vocab_size"])
+    theta, scaling = target_rope(SimpleNamespace(**{k: v for k, v in c.items()
+                                                    if k in ("rope_theta", "rope_scaling", "rope_parameters")}))
+    return DraftConfig(
+        hidden_size=hidden,
+        intermediate_size=int(c["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        vocab_size=vocab,
+        draft_vocab_size=int(c.get("draft_vocab_size") or vocab),
+        target_hidden_size=int(c.get("target_hidden_size") or hidden),
+        aux_layer_ids=[int(i) for i in ids],
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        num_hidden_layers=int(c.get("num_hidden_layers", 1)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
+        family=family,
+        block_size=int(dflash.get("block_size") or c.get("block_size") or 16),  # SGLang's default
+        mask_token_id=int(mask),
+        target=str(block.get("target") or target or ""),
+        target_num_layers=target_layers,
+        target_config_sha256=str(block.get("target_config_sha256") or
+                                 (target_config_sha256(target_config) if target_config is not None else "")),
+    )

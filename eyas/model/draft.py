@@ -1,144 +1,19 @@
-"""The EAGLE-3 draft model, readable top to bottom.
-
-One decoder layer sees, at every position, the target's token embedding and a hidden state side by
-side. At the first step that hidden state is `fc` of the target's aux-layer states (low, mid, high
-features fused); at later steps it is the draft's own previous output. A reduced vocabulary head
-predicts the next token; `d2t` maps its ids back to the target's. Optionally more decoder layers
-follow the first as plain Llama layers over the hidden state alone (`num_hidden_layers`, the layout
-vLLM and speculators build for such drafts). EAGLE-3.1's two switches: `fc_norm` gives each aux
-layer's state its own RMSNorm before `fc` (deep layers' large norms no longer drown the early
-layer), and `norm_output` feeds the next step the final-normed hidden state instead of the raw one
-(so its scale cannot drift over the unrolled steps).
-
-The layer's attention is Llama's or, with `attention: mla`, DeepSeek's latent attention
-(eyas.model.mla, for MLA targets). Attention is pluggable: the layer computes q, k, v with rotary
-positions and hands them to an `attend(q, k, v)` callable, so the training-time-test pattern
-(eyas.model.attention.TTTAttention), plain causal prefill and KV-cached / tree decoding all share
-the same weights and math.
-"""
+"""What every draft family shares (eyas.model.families): the frozen target embedding, rotary positions,
+the draft vocabulary (lm_head rows and the d2t/t2d maps), the target's head as a start, and the
+checkpoint folder (docs/architecture.md, contract 3). Each family's model builds on `DraftModel`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eyas.model.config import DraftConfig
+from eyas.model.layers import RMSNorm
 from eyas.model.vocab import draft_to_target_ids
 from eyas.utils.io import EyasError, atomic_path
-
-# attend(q [B, nh, T, hd], k [B, nkv, T, hd], v [B, nkv, T, hd]) -> [B, nh, T, hd]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, n, T, hd]; cos, sin [B, T, hd]."""
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
-
-
-class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig, in_dim: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, in_dim] -> q [B, nh, T, hd], k and v [B, nkv, T, hd], rotary applied."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        """attention output [B, nh, T, hd] -> [B, T, H]."""
-        B, _, T, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        return self.output(attend(*self.project(x, cos, sin)))
-
-
-def attention_module(cfg: DraftConfig, in_dim: int) -> nn.Module:
-    """The layer's attention: Llama's grouped-query attention, or DeepSeek's latent attention (MLA)."""
-    if cfg.attention == "mla":
-        from eyas.model.mla import MLAAttention  # it builds on this module
-
-        return MLAAttention(cfg, in_dim)
-    return DraftAttention(cfg, in_dim)
-
-
-class DraftMLP(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DraftDecoderLayer(nn.Module):
-    """The first layer attends over [norm(embedding) ; norm(hidden)]; a later one (`first=False`) is a
-    plain Llama layer over the hidden state, which has no use for the embedding."""
-
-    def __init__(self, cfg: DraftConfig, first: bool = True) -> None:
-        super().__init__()
-        H = cfg.hidden_size
-        self.first = first
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)  # first: the token embedding; later: the hidden state
-        if first:
-            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # for the incoming hidden state
-        self.self_attn = attention_module(cfg, 2 * H if first else H)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = DraftMLP(cfg)
-
-    # The layer in two halves around the attention call, so that a trainer can compile each half
-    # (static shapes, no Python state) and keep the attention pattern outside.
-    def attention_inputs(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.first:
-            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        else:
-            x = self.input_layernorm(hidden)  # [B, T, H]
-        return self.self_attn.project(x, cos, sin)
-
-    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, H], attention output [B, nh, T, hd] -> the layer's output [B, T, H]."""
-        hidden = hidden + self.self_attn.output(attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
-        return self.finish(hidden, attend(*self.attention_inputs(emb, hidden, cos, sin)))
 
 
 class DraftModel(nn.Module):
@@ -252,60 +127,6 @@ class DraftModel(nn.Module):
         check_state_dict(model, state, str(path))
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype)
-
-
-class Eagle3Draft(DraftModel):
-    def __init__(self, cfg: DraftConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        if cfg.fc_norm:  # EAGLE-3.1: one norm per aux layer's state
-            self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
-                                          for _ in range(cfg.num_aux_layers)])
-        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, H, bias=False)
-        if cfg.num_hidden_layers < 1:
-            raise EyasError(f"a draft needs at least one decoder layer, got num_hidden_layers={cfg.num_hidden_layers}")
-        self.layers = nn.ModuleList([DraftDecoderLayer(cfg, first=i == 0) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self._register_vocab_maps()
-        self._init_rotary()
-        self.reset_parameters()
-
-    # -- pieces the training loop and the decoders compose --------------------------------------
-
-    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, k*H_t] target aux states -> [B, T, H] the first step's hidden input."""
-        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
-        if self.config.fc_norm:
-            chunks = aux_hidden.chunk(self.config.num_aux_layers, dim=-1)  # k x [B, T, H_t]
-            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
-        return self.fc(aux_hidden)
-
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attend: Attend, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """One draft step. input_ids [B, T], hidden [B, T, H] -> the draft's hidden output [B, T, H]:
-        what the next step takes as `hidden`, and what `logits` turns into logits (raw; final-normed
-        with `norm_output`).
-        `inputs_embeds` [B, T, H], when given, replaces the embedding lookup (a trainer that keeps
-        the frozen table on the host). A stateful `attend` (TTT, KV cache) gives each layer its own
-        keys through `attend.layer(i)`."""
-        emb = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
-        cos, sin = self.rotary(position_ids, hidden.dtype)
-        per_layer = getattr(attend, "layer", None)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(emb, hidden, cos, sin, per_layer(i) if per_layer else attend)
-        return self.norm(hidden) if self.config.norm_output else hidden
-
-    def head_input(self, hidden_out: torch.Tensor) -> torch.Tensor:
-        """A step's output [..., H] -> what lm_head reads: final-normed once, whichever the variant."""
-        return hidden_out if self.config.norm_output else self.norm(hidden_out)
-
-    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V_d] draft-vocabulary logits."""
-        return self.lm_head(self.head_input(hidden_out))
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

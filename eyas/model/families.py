@@ -1,10 +1,5 @@
-"""The draft families eyas trains, by name: `DraftConfig.family` picks the model class here.
-
-A family is one model module (eyas.model.draft for EAGLE-3, eyas.model.dflash for DFlash,
-eyas.model.peagle for P-EAGLE) plus one training objective (eyas.train.objectives), one proposer
-(eyas.eval.spec_decode) and one writer (eyas.export.writers), each found by the same name;
-docs/architecture.md says how to add one.
-"""
+"""Building and loading a draft of any family: `DraftConfig.family` names it, and the family's
+declaration (eyas.model.family_facts) names its model class."""
 
 from __future__ import annotations
 
@@ -13,18 +8,12 @@ from pathlib import Path
 import torch
 
 from eyas.model.config import DraftConfig
-from eyas.model.dflash import DFlashDraft
-from eyas.model.draft import DraftModel, Eagle3Draft
-from eyas.model.peagle import PEagleDraft
-from eyas.utils.io import EyasError
-
-DRAFT_MODELS: dict[str, type[DraftModel]] = {"eagle3": Eagle3Draft, "dflash": DFlashDraft, "peagle": PEagleDraft}
+from eyas.model.draft import DraftModel
+from eyas.model.family_facts import family_part
 
 
 def draft_class(cfg: DraftConfig) -> type[DraftModel]:
-    if cfg.family not in DRAFT_MODELS:
-        raise EyasError(f"unknown draft family {cfg.family!r}: this eyas knows {', '.join(DRAFT_MODELS)}")
-    return DRAFT_MODELS[cfg.family]
+    return family_part(cfg.family, "model")
 
 
 def build_draft(cfg: DraftConfig) -> DraftModel:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from eyas.model.config import MLA_DIMS, DraftConfig
-from eyas.model.draft import DraftAttention, RMSNorm, apply_rope
+from eyas.model.layers import DraftAttention, RMSNorm, apply_rope
 from eyas.utils.io import EyasError
 
 MLA_ARCHITECTURES = {"vllm": "Eagle3DeepseekV3ForCausalLM", "sglang": "Eagle3DeepseekV2ForCausalLM"}

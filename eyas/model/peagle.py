@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from eyas.model.config import DraftConfig
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.utils.io import EyasError
 
 

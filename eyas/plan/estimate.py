@@ -1,4 +1,4 @@
-"""Per-stage estimates of a planned `eyas run` (the stages of eyas.recipes.run.plan_pipeline): samples and
+"""Per-stage estimates of a planned `eyas run` (the stages of eyas.recipes.run.build_stages): samples and
 tokens, disk (every file a stage writes), memory per rank, time, and whether it will be skipped.
 
 Everything comes from configs, manifests already on disk and eyas.plan.rates; no weights are read.
@@ -216,13 +216,13 @@ class Context:
 
 def estimate_regenerate(ctx: Context, opts: Any, nproc: int) -> Estimate:
     reply = min(REPLY_SHARE * ctx.tokens, ctx.samples * SHAREGPT_TURNS * opts.max_new_tokens)
-    gpus = opts.tp if opts.generator == "vllm" else 1
-    tok_s, how = rate("regenerate", opts.generator if opts.generator != "auto" else "static", ctx.card,
+    gpus = opts.tp if opts.engine == "vllm" else 1
+    tok_s, how = rate("regenerate", opts.engine if opts.engine != "auto" else "static", ctx.card,
                       2 * ctx.target.shape.active)
     e = Estimate("regenerate", samples=ctx.samples, tokens=reply, seconds=reply / (tok_s * gpus))
     e.disk = {"conversations.jsonl (+ .partial while it runs)": ctx.tokens * JSON_BYTES_PER_TOKEN}
     e.memory = {"target": ctx.weights(gpus), "KV cache": 0.0}
-    if opts.generator == "vllm":
+    if opts.engine == "vllm":
         e.usable = (0.6, "vLLM (the gpu_memory_utilization regenerate gives it)")
     e.notes += [f"reply tokens: {REPLY_SHARE:.0%} of the prepared tokens (the share under the loss mask), at most "
                 f"{SHAREGPT_TURNS:.2f} turns x max_new_tokens per conversation",
@@ -245,18 +245,18 @@ def estimate_prepare(ctx: Context, opts: Any, nproc: int) -> Estimate:
 def estimate_extract(ctx: Context, opts: Any, nproc: int) -> Estimate:
     import numpy as np
 
-    from eyas.engines.base import default_aux_layer_ids
-    from eyas.store.writer import StoreMeta, plan_shards, store_file_bytes
+    from eyas.model.aux_layers import default_aux_layer_ids
+    from eyas.store.writer import StoreMeta, split_shards, store_file_bytes
 
     s = ctx.target.shape
     samples = min(ctx.samples, opts.max_samples or ctx.samples)
     tokens = ctx.tokens * samples / max(1, ctx.samples)
-    aux = list(opts.aux_layers or default_aux_layer_ids(s.layers))
+    aux = list(opts.aux_layer_ids or default_aux_layer_ids(s.layers))
     meta = StoreMeta(target=ctx.target.name, target_config_sha256="", num_layers=s.layers, aux_layer_ids=aux,
                      hidden_size=s.hidden, vocab_size=s.vocab, dtype="float8_e4m3fn" if opts.fp8 else "bfloat16",
                      prepared="", prepared_sha256="", norm_eps=0.0, options_sha256="")
     lengths = np.full(samples, max(1, round(tokens / max(1, samples))), dtype=np.int64)
-    files = store_file_bytes(meta, plan_shards(lengths, meta.bytes_per_token(), int(opts.shard_mb * 2**20)))
+    files = store_file_bytes(meta, split_shards(lengths, meta.bytes_per_token(), int(opts.shard_mb * 2**20)))
     shard_files = [k for k in files if k.startswith("shard-")]
     e = Estimate("extract", processes=nproc, samples=samples, tokens=tokens, seconds=0.0)
     e.disk = {f"shard-*.safetensors ({len(shard_files)}, {meta.bytes_per_token():,} B/token, {meta.dtype})":
@@ -284,13 +284,16 @@ def draft_params(ctx: Context, o: Any) -> tuple[int, int]:
     device: no memory)."""
     import torch
 
-    from eyas.engines.base import default_aux_layer_ids
+    from eyas.model.aux_layers import default_aux_layer_ids
     from eyas.model.config import DraftConfig, DraftOptions
     from eyas.model.families import build_draft
+    from eyas.model.family_facts import family
     from eyas.utils.schema import subset
 
-    aux = list(o.aux_layers or default_aux_layer_ids(ctx.target.shape.layers))
+    aux = list(o.aux_layer_ids or default_aux_layer_ids(ctx.target.shape.layers))
     dcfg = DraftConfig.from_target_config(ctx.target.config, aux, options=subset(o, DraftOptions))
+    if family(dcfg.family).mask_token and dcfg.mask_token_id < 0:  # train picks it; any id counts the same
+        dcfg.mask_token_id = dcfg.vocab_size - 1
     with torch.device("meta"):
         draft = build_draft(dcfg)
     frozen = sum(p.numel() for n, p in draft.named_parameters() if n.startswith("embed_tokens"))
@@ -393,11 +396,11 @@ def estimate_eval(ctx: Context, opts: Any, nproc: int) -> Estimate:
     drafts = 2 if opts.compare else 1  # with compare_untrained: the untrained draft, then the trained one
     decodes = convs * turns * (drafts * methods + int(opts.baseline))
     tokens = decodes * opts.max_new_tokens
-    tok_s, how = rate("eval", opts.backend, ctx.card, ctx.target.shape.layers)
+    tok_s, how = rate("eval", opts.engine, ctx.card, ctx.target.shape.layers)
     batched = [b for b in opts.batch_sizes if b > 1]  # each decodes every prompt again, batched: no slower
     e = Estimate("eval", samples=convs, tokens=tokens * (1 + len(batched)), seconds=tokens / tok_s * (1 + len(batched)))
-    e.memory = {"target": ctx.weights(opts.tp if opts.backend == "vllm" else 1), "draft": ctx.draft_weights}
-    if opts.backend == "vllm":
+    e.memory = {"target": ctx.weights(opts.tp if opts.engine == "vllm" else 1), "draft": ctx.draft_weights}
+    if opts.engine == "vllm":
         e.usable = (VLLM_SHARE, "vLLM (its default gpu_memory_utilization)")
     e.disk = {"reports and plots": drafts * 2**20, **({"draft-untrained": ctx.draft_weights} if drafts == 2 else {})}
     e.notes += [f"{decodes:,} decodes of up to {opts.max_new_tokens} tokens ({methods} methods x {drafts} draft(s)"
@@ -412,10 +415,10 @@ ESTIMATORS = {"regenerate": estimate_regenerate, "prepare": estimate_prepare, "e
               "train": estimate_train, "export": estimate_export, "eval": estimate_eval}
 
 
-def estimate_run(cfg: Any, stages: list[Any], card: str, config_path: Path) -> tuple[Target, list[Estimate]]:
-    """The run's target and every stage's estimate, with what will be skipped (up to date in the run's
-    ledger) or resumed."""
-    from eyas.recipes.run import stage_keys
+def estimate_run(cfg: Any, stages: list[Any], keys: list[str], card: str, config_path: Path
+                 ) -> tuple[Target, list[Estimate]]:
+    """The run's target and every stage's estimate, with what will be skipped (`keys`: each stage's key in
+    the run's ledger, up to date there) or resumed."""
     from eyas.utils.resume import up_to_date
 
     by = {st.name: st for st in stages}
@@ -429,7 +432,7 @@ def estimate_run(cfg: Any, stages: list[Any], card: str, config_path: Path) -> t
                   *data_counts(inputs, prep.max_length, max_samples, Path(prep.out)))
     ledger = Path(cfg.workdir or Path("runs") / config_path.stem) / "run_state.json"
     out = []
-    for st, key in zip(stages, stage_keys(stages), strict=True):
+    for st, key in zip(stages, keys, strict=True):
         e = ESTIMATORS[st.name](ctx, st.options, max(1, st.nproc))  # 0: fsdp on a machine without GPUs
         e.processes = st.nproc
         if up_to_date(ledger, key, *st.outputs, entry=st.name):

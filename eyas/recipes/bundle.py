@@ -66,10 +66,10 @@ class BundleOptions:
 
 def run_bundle(opts: BundleOptions, log: Any = print) -> Path:
     """Write the bundle folder (atomically) and, with --part-mb, its tar parts; returns the folder."""
-    from eyas.recipes.run import load_config, plan_pipeline
+    from eyas.recipes.run import build_stages, load_config
 
     cfg = load_config(opts.config)
-    plan_pipeline(cfg, opts.config)  # a config that would not run is refused here, not on the node
+    build_stages(cfg, opts.config)  # a config that would not run is refused here, not on the node
     out = Path(opts.out)
     with atomic_path(out) as tmp:
         tmp.mkdir()

@@ -48,14 +48,15 @@ class EvalOptions:
     batch_sizes: list[int] = option(default_factory=lambda: [1], comma=True, flag="--batch-size",
                                     help="Requests decoded together, comma-separated: each batch size measures "
                                     "every method and the target alone on the same prompts, and several give the "
-                                    "serving curve (tokens/s and speedup against batch size). backend vllm: "
-                                    "requests in flight in vLLM's scheduler; backend hf: 1 (it decodes one prompt "
+                                    "serving curve (tokens/s and speedup against batch size). engine vllm: "
+                                    "requests in flight in vLLM's scheduler; engine hf: 1 (it decodes one prompt "
                                     "at a time).")
     out: Path = option(Path("eval"), short="-o", help="Output folder for report.json, report.md and plots.")
-    backend: Literal["hf", "vllm"] = option("hf", help="Who decodes: hf (transformers in this process, chains and "
-                                            "trees) or vllm (vLLM's own EAGLE-3 decoding, chains).")
-    tp: int = option(1, help="backend vllm: tensor-parallel GPUs of the target (a target larger than one card).")
-    trust_remote_code: bool = option(False, help="backend vllm: let vLLM run the target repository's code.")
+    engine: Literal["hf", "vllm"] = option("hf", old_name="backend", help="What runs the target and decodes: hf "
+                                           "(transformers in this process, chains and trees) or vllm (vLLM's own "
+                                           "speculative decoding, chains).")
+    tp: int = option(1, help="engine vllm: tensor-parallel GPUs of the target (a target larger than one card).")
+    trust_remote_code: bool = option(False, help="engine vllm: let vLLM run the target repository's code.")
     device: str = option("auto", help="auto (cuda when present), cuda, cuda:1, cpu.")
     dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
     seed: int = option(0, help="Sampling seed.")
@@ -63,14 +64,17 @@ class EvalOptions:
                                 help="Another run's report.json (or folder) to overlay in the tables and plots; "
                                      "repeatable.")
     label: str | None = option(None, help="Name of this run in reports.", show_default="the draft folder's name")
+    family: str = option("eagle3", help="--draft random: the family of the untrained draft (a draft folder says "
+                         "its own).")
     baseline: bool = option(True, help="Also decode with the target alone (speedup and the greedy identity check).")
     force: bool = option(False, help="Rerun even when --out is up to date.")
 
     def __post_init__(self) -> None:
         from eyas.eval.serving import parse_batch_sizes
+        from eyas.model.family_facts import family
 
-        if self.backend not in ("hf", "vllm"):
-            raise EyasError(f"--backend {self.backend!r}: choose hf or vllm")
+        if self.engine not in ("hf", "vllm"):
+            raise EyasError(f"--engine {self.engine!r}: choose hf or vllm")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise EyasError("--temperature must be >= 0 and --top-p in (0, 1]")
         if self.max_new_tokens < 1 or self.max_turns < 1 or (self.max_prompts is not None and self.max_prompts < 1):
@@ -78,11 +82,12 @@ class EvalOptions:
         if not parse_chain(self.chain) and not parse_trees(self.tree):
             raise EyasError("nothing to measure: give --chain and/or --tree")
         self.batch_sizes = parse_batch_sizes(self.batch_sizes)
-        if self.backend == "hf" and self.batch_sizes != [1]:
-            raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf backend decodes one "
-                            "prompt at a time; measure batch sizes above 1 with --backend vllm")
-        if self.tp < 1 or (self.tp > 1 and self.backend != "vllm"):
-            raise EyasError(f"--tp {self.tp}: tensor parallelism is vLLM's (--backend vllm); the hf backend runs the "
+        if self.engine == "hf" and self.batch_sizes != [1]:
+            raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf engine decodes one "
+                            "prompt at a time; measure batch sizes above 1 with --engine vllm")
+        family(self.family)  # an unknown family is refused here
+        if self.tp < 1 or (self.tp > 1 and self.engine != "vllm"):
+            raise EyasError(f"--tp {self.tp}: tensor parallelism is vLLM's (--engine vllm); the hf engine runs the "
                             "target on one device")
 
 
@@ -99,7 +104,7 @@ def parse_chain(text: str | None) -> list[int]:
 
 
 def parse_trees(text: str | None) -> list[Any]:
-    from eyas.eval.spec_decode import TreeSpec
+    from eyas.eval.proposer_base import TreeSpec
 
     if text is None or text.strip().lower() in ("", "none"):
         return []
@@ -109,29 +114,45 @@ def parse_trees(text: str | None) -> list[Any]:
         raise EyasError(f"--tree: {e}") from e
 
 
-def load_draft(draft: str, target_path: str, target_model: Any, device: Any, dtype: Any) -> Any:
-    """A draft folder in any layout eyas imports, or `random` (an untrained draft: the 'before training' mark)."""
-    import torch
-
-    from eyas.engines.base import default_aux_layer_ids
+def load_draft(draft: str, target_path: str, target_model: Any, device: Any, dtype: Any, family: str = "eagle3"
+               ) -> Any:
+    """A draft folder in any layout eyas imports, or `random`: an untrained draft of `family` (the 'before
+    training' mark), with the target's embedding, and its head where the family reads it frozen."""
     from eyas.model.checkpoints import import_draft
-    from eyas.model.config import DraftConfig
-    from eyas.model.draft import Eagle3Draft
-    from eyas.model.vocab import build_draft_vocab
 
     if draft == "random":
-        cfg = target_model.config
-        n = (cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).num_hidden_layers
-        dcfg = DraftConfig.from_target_config(cfg, default_aux_layer_ids(n), target=target_path)
-        model = Eagle3Draft(dcfg)
-        model.load_target_embedding(target_model.get_input_embeddings().weight.detach().float().cpu())
-        model.set_vocab(*build_draft_vocab(torch.zeros(dcfg.vocab_size, dtype=torch.long), dcfg.draft_vocab_size))
-        return model.to(device=device, dtype=dtype)
+        return random_draft(target_path, target_model, family).to(device=device, dtype=dtype)
     path = Path(draft)
     if not path.is_dir():
         raise EyasError(f"--draft {draft}: not a folder. Give a draft checkpoint folder (config.json + "
                         "model.safetensors, from `eyas train` or any EAGLE-3 layout) or `random`.")
     return import_draft(path, target=target_path).to(device=device, dtype=dtype)
+
+
+def random_draft(target_path: str, target_model: Any, family: str) -> Any:
+    """An untrained draft of `family` for the target: a draft vocabulary of the first ids, the mask token
+    (families that have one) the target's pad token, else its last id."""
+    import torch
+
+    from eyas.model.aux_layers import default_aux_layer_ids
+    from eyas.model.config import DraftConfig, DraftOptions, text_config
+    from eyas.model.families import build_draft
+    from eyas.model.family_facts import FAMILIES
+    from eyas.model.vocab import build_draft_vocab
+
+    text = text_config(target_model.config)
+    pad = getattr(text, "pad_token_id", None)
+    mask = pad if FAMILIES[family].mask_token and pad is not None else int(text.vocab_size) - 1
+    options = DraftOptions(family=family, mask_token_id=mask if FAMILIES[family].mask_token else -1)
+    dcfg = DraftConfig.from_target_config(target_model.config, default_aux_layer_ids(int(text.num_hidden_layers)),
+                                          target=target_path, options=options)
+    model = build_draft(dcfg)
+    model.load_target_embedding(target_model.get_input_embeddings().weight.detach().float().cpu())
+    model.set_vocab(*build_draft_vocab(torch.zeros(dcfg.vocab_size, dtype=torch.long), dcfg.draft_vocab_size))
+    if model.head_from_target:
+        head = target_model.get_output_embeddings().weight
+        model.init_lm_head_from_target(head, torch.ones(head.shape[1]))
+    return model
 
 
 def run_eval(opts: EvalOptions, log: Any = print) -> Path:
@@ -177,7 +198,7 @@ def fingerprint(opts: EvalOptions, target_path: str) -> dict[str, Any]:
             "prompts": opts.prompts, "prompt_files": _prompt_fingerprints(opts.prompts),
             "chain": parse_chain(opts.chain), "tree": [t.name for t in parse_trees(opts.tree)],
             "temperature": opts.temperature, "top_p": opts.top_p, "max_new_tokens": opts.max_new_tokens,
-            "max_prompts": opts.max_prompts, "max_turns": opts.max_turns, "backend": opts.backend,
+            "max_prompts": opts.max_prompts, "max_turns": opts.max_turns, "backend": opts.engine,
             "device": opts.device, "dtype": opts.dtype, "seed": opts.seed, "baseline": opts.baseline,
             "format": FORMAT, **({"batch_sizes": opts.batch_sizes} if opts.batch_sizes != [1] else {})}
 
@@ -193,7 +214,7 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
     if max(opts.batch_sizes) > turns:
         raise EyasError(f"--batch-size {max(opts.batch_sizes)}: the prompts give {turns} requests, too few to keep "
                         f"that many in flight; raise --max-prompts or lower --batch-size")
-    if opts.backend == "vllm":
+    if opts.engine == "vllm":
         from eyas.engines.vllm.images import check_config_for_a_draft
         from eyas.eval.vllm_backend import evaluate_with_vllm
 
@@ -215,7 +236,7 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
         dt = resolve_dtype(opts.dtype, dev)
         tokenizer = AutoTokenizer.from_pretrained(target_path)
         target = load_hf_model(target_path, dt, dev).eval()  # a multimodal wrapper (Kimi-K2.5) runs its text
-        draft_model = load_draft(opts.draft, target_path, target, dev, dt)
+        draft_model = load_draft(opts.draft, target_path, target, dev, dt, opts.family)
         done = {(r["set"], r["item"], r["turn"], r["method"]): r for r in partial.records}
         if done:
             log(f"resuming: {len(done)} generations already measured in {partial.path}")

@@ -17,7 +17,8 @@ import typer
 
 import eyas
 from eyas.assets import TARGET_FORMS, resolve_model, serving_name
-from eyas.export.writers import ServeOptions, export_draft, family_writer
+from eyas.export.families import export_draft, family_writer
+from eyas.export.writers import ServeOptions
 from eyas.model.checkpoints import import_draft
 from eyas.model.layouts import FORMATS
 from eyas.utils.io import EyasError, fingerprint_path, sha256_json
@@ -47,8 +48,13 @@ class ExportOptions:
                            "into eyas' own layout at --out instead of exporting.")
     layout: Literal["auto", "eyas", "vllm", "speculators", "sglang", "eagle"] = option(
         "auto", help="Layout of DRAFT.")
-    aux_layers: list[int] | None = option(None, comma=True, show_default="from the checkpoint",
-                                          help="Override the aux layers, e.g. 2,15,27 (input of decoder layer k).")
+    aux_layer_ids: list[int] | None = option(None, comma=True, flag="--aux-layers",
+                                             show_default="from the checkpoint",
+                                             help="The aux layers of a checkpoint that names none (EAGLE's own), "
+                                                  "e.g. 2,15,27 (input of decoder layer k). Ids that disagree with "
+                                                  "the checkpoint's are refused: they relabel the draft's layers.")
+    force_aux_layers: bool = option(False, help="Let --aux-layers replace the checkpoint's own aux ids (when those "
+                                    "are known to be wrong).")
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -59,7 +65,8 @@ class ExportOptions:
 def _read_draft(opts: ExportOptions) -> Any:
     """DRAFT read (and checked against --model, resolved as every target is)."""
     target = resolve_model(opts.model) if opts.model else None
-    return import_draft(opts.draft, target=target, aux_layer_ids=opts.aux_layers, layout=opts.layout)
+    return import_draft(opts.draft, target=target, aux_layer_ids=opts.aux_layer_ids, layout=opts.layout,
+                        force_aux_layer_ids=opts.force_aux_layers)
 
 
 def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
@@ -79,7 +86,7 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
         options = {"draft": fingerprint, "format": f, "verifier": verifier,
                    "target": str(opts.model) if opts.model else None, "dtype": opts.dtype,
                    "num_speculative_tokens": k, "include_embedding": opts.embedding,
-                   "layout": opts.layout, "aux_layer_ids": opts.aux_layers, "eyas_version": eyas.__version__}
+                   "layout": opts.layout, "aux_layer_ids": opts.aux_layer_ids, "eyas_version": eyas.__version__}
         options_sha256 = sha256_json(options)
         if up_to_date(dest / "manifest.json", options_sha256, dest / "config.json", dest / "model.safetensors"):
             log(f"{f}: {dest} is up to date")

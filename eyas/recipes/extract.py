@@ -27,12 +27,8 @@ import typer
 
 from eyas.assets import TARGET_FORMS
 from eyas.data.target_match import check_prepared_matches_target
-from eyas.engines.base import (
-    TargetEngine,
-    default_aux_layer_ids,
-    plan_batches,
-    validate_aux_layer_ids,
-)
+from eyas.engines.base import TargetEngine, group_batches
+from eyas.model.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from eyas.store import (
     HiddenStore,
     ShardBuffer,
@@ -42,11 +38,11 @@ from eyas.store import (
     check_disk_for,
     finish_partial,
     finished_partial,
-    load_plan,
+    load_shard_specs,
     partial_dir,
-    plan_shards,
     prepare_partial,
     quantize_fp8,
+    split_shards,
     verify_store,
 )
 from eyas.utils.io import EyasError, human_bytes, read_json, sha256_file, sha256_json, writer_lock
@@ -108,7 +104,7 @@ def target_facts(model: str | Any, aux_layer_ids: list[int] | None, trust_remote
         config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = int(text.num_hidden_layers)
-    ids = validate_aux_layer_ids(default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids, n)
+    ids = check_aux_layer_ids(default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids, n)
     return {"config": config, "num_layers": n, "aux_layer_ids": ids, "hidden_size": int(text.hidden_size),
             "config_sha256": target_config_sha256(config)}
 
@@ -142,7 +138,7 @@ def fill_shard(engine: TargetEngine, buf: ShardBuffer, seqs: list[torch.Tensor],
     cuda = copy_stream is not None
     nonfinite = torch.zeros((), dtype=torch.int64, device=engine.device)
     lengths = [int(s.shape[0]) for s in seqs]
-    for batch in plan_batches(lengths, token_budget):
+    for batch in group_batches(lengths, token_budget):
         batch_seqs = [seqs[i] for i in batch]
         flat = engine.capture_flat(batch_seqs) if media is None else \
             engine.capture_flat(batch_seqs, [media[i] for i in batch])
@@ -232,8 +228,9 @@ class ExtractOptions:
     model: str = option("smollm2", help=f"Target: {TARGET_FORMS}.")
     engine: Literal["hf", "vllm"] = option("hf", help="What runs the target: hf (transformers in this process) or "
                                            "vllm (tensor parallel with --tp).")
-    aux_layers: list[int] | None = option(None, comma=True, show_default="2,N//2,N-3",
-                                          help="Aux layer ids in layer order (id k = input of decoder layer k).")
+    aux_layer_ids: list[int] | None = option(None, comma=True, flag="--aux-layers",
+                                             show_default="2,N//2,N-3",
+                                             help="Aux layer ids in layer order (id k = input of decoder layer k).")
     dtype: str = option("auto", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32. States are "
                         "stored as bfloat16 (or fp8).")
     token_budget: int = option(0, help="Padded tokens per forward batch; 0 = 16384 on GPU (up to 65536 for small "
@@ -291,7 +288,7 @@ def _run_extract(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | 
     t_start = time.perf_counter()
     out, ranks = Path(opts.out), Ranks()
     dataset = dataset if dataset is not None else _open_prepared(opts.prepared)
-    meta, lengths = plan_store(opts, dataset, engine_obj)
+    meta, lengths = lay_out_store(opts, dataset, engine_obj)
     if up_to_date(out / "manifest.json", meta.options_sha256):
         ranks.log(f"store {out} is up to date (same inputs and options): reusing it")
         return out
@@ -303,11 +300,11 @@ def _run_extract(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | 
         ranks.barrier()
         return out
     if ranks.rank == 0:
-        plan = prepare_partial(out, meta, plan_shards(lengths, meta.bytes_per_token(),
+        plan = prepare_partial(out, meta, split_shards(lengths, meta.bytes_per_token(),
                                                       max(1, int(opts.shard_mb * (1 << 20))), ranks.world))
     ranks.barrier()
     if ranks.rank != 0:
-        plan = load_plan(out)
+        plan = load_shard_specs(out)
     # the engine: built after the cheap checks, so a bad option fails in a second, not after loading 100 GB
     eng = engine_obj or _load_engine(opts, meta.aux_layer_ids)
     if opts.preflight:
@@ -341,7 +338,7 @@ def _open_prepared(prepared: Path | None) -> Any:
     return PreparedDataset(prepared)
 
 
-def plan_store(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | None) -> tuple[StoreMeta, np.ndarray]:
+def lay_out_store(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | None) -> tuple[StoreMeta, np.ndarray]:
     """The store's metadata and fingerprint, and the lengths of the samples it will hold: everything
     that decides whether an existing store is up to date, from configs only (no weights loaded)."""
     from eyas.assets import resolve_model
@@ -354,7 +351,7 @@ def plan_store(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | No
         facts = target_facts(engine_obj.model, engine_obj.aux_layer_ids, opts.trust_remote_code)
     else:
         target_name = resolve_model(opts.model)
-        facts = target_facts(target_name, opts.aux_layers, opts.trust_remote_code)
+        facts = target_facts(target_name, opts.aux_layer_ids, opts.trust_remote_code)
         if mfile is not None and mfile.is_file():
             check_prepared_matches_target(read_json(mfile), opts.prepared, target_name, opts.trust_remote_code)
     n = len(dataset) if not opts.max_samples else min(opts.max_samples, len(dataset))

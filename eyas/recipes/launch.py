@@ -78,7 +78,7 @@ def refusal(stage: str, opts: Any, nproc: int, why: str) -> str | None:
     return None
 
 
-def plan_processes(cfg: Any, stages: list[Any], train: Callable[..., None], refuse: bool = True) -> None:
+def assign_processes(cfg: Any, stages: list[Any], train: Callable[..., None], refuse: bool = True) -> None:
     """Give each stage its process count and, where several, the torchrun commands that replace its
     in-process run (`train(schedules, run=...)` trains each schedule); raise, before any stage runs,
     naming the command where eyas cannot start them (`refuse=False`: note why in `Stage.refused`)."""

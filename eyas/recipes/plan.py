@@ -53,8 +53,9 @@ def render(cfg: Any, config_path: Path, stages: list[Any], card: str) -> str:
     """The plan as text: one block per stage, then the totals of the stages that will run."""
     from eyas.plan.estimate import estimate_run
     from eyas.plan.rates import CARDS
+    from eyas.recipes.run import stage_keys
 
-    target, estimates = estimate_run(cfg, stages, card, config_path)
+    target, estimates = estimate_run(cfg, stages, stage_keys(stages), card, config_path)
     s = target.shape
     mem_label = "GPU memory per rank" if card != "cpu" else "Memory per process"
     lines = [f"eyas plan {config_path} on {card}: target {cfg.target} ({s.layers} layers, hidden {s.hidden}, "
@@ -106,10 +107,10 @@ class PlanOptions:
 def show_plan(config: Path, card: str = "auto", refuse: bool = False) -> str:
     """Print the plan; `refuse`: fail as `eyas run` would where it cannot start a stage's processes (else
     the plan says why)."""
-    from eyas.recipes.run import load_config, plan_pipeline
+    from eyas.recipes.run import build_stages, load_config
 
     cfg = load_config(config)
-    stages = plan_pipeline(cfg, config, refuse=refuse)
+    stages = build_stages(cfg, config, refuse=refuse)
     text = render(cfg, config, stages, local_card() if card == "auto" else card)
     typer.echo(text)
     return text

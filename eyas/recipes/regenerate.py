@@ -42,13 +42,14 @@ class RegenerateOptions(Sampling):
     batch_size: int = option(0, help="Conversations per saved batch (the unit a killed run resumes from); "
                              "generators generate and vllm decode each round of a batch's turns together. 0 = 1024 on "
                              "a GPU, 32 on a CPU.")
-    generator: Literal["auto", "generate", "static", "vllm", "continuous"] = option(
-        "auto", help="auto: static on a GPU, generate on a CPU. generate: transformers' generate on padded batches "
+    engine: Literal["auto", "generate", "static", "vllm", "continuous"] = option(
+        "auto", old_name="generator", help="What runs the target (the generator). auto: static on a GPU, generate "
+        "on a CPU. generate: transformers' generate on padded batches "
         "(reproducible sampling). static: eyas' continuous batching over static KV caches, each decode step one CUDA "
         "graph. vllm: vLLM generates each round of turns (--tp for tensor parallel). continuous: transformers' "
         "continuous batching; worth it only with a flash-attention kernel.")
-    window: int = option(512, help="generator continuous: conversations in flight at once.")
-    tp: int = option(1, help="generator vllm: tensor-parallel GPUs.")
+    window: int = option(512, help="engine continuous: conversations in flight at once.")
+    tp: int = option(1, help="engine vllm: tensor-parallel GPUs.")
     trust_remote_code: bool = option(False, help="Let transformers / vLLM run the target's own code.")
     max_length: int = option(4096, help="Prompt + reply token limit; a conversation ends before the first turn that "
                              "does not fit.")
@@ -57,15 +58,15 @@ class RegenerateOptions(Sampling):
     max_time: float = option(0, help="Wall-clock budget in seconds (looked at after each saved batch): past it, the "
                              "batches finished so far are written to OUT (its manifest says complete: false) and the "
                              "same command resumes the rest. 0 = no limit.")
-    kv_cache_gb: float = option(0, help="generator static: GiB of KV cache (more rows decode at once); 0 = 60% of "
+    kv_cache_gb: float = option(0, help="engine static: GiB of KV cache (more rows decode at once); 0 = 60% of "
                                 "the free GPU memory.")
     preflight: bool = option(True, help="First check the generator's greedy replies to a few prompts against the "
                              "target's own next token (a plain transformers forward); stop when they part.")
 
     def __post_init__(self) -> None:
         Sampling.__post_init__(self)
-        if self.generator not in GENERATORS:
-            raise EyasError(f"--generator must be one of {', '.join(GENERATORS)}, not {self.generator!r}")
+        if self.engine not in GENERATORS:
+            raise EyasError(f"--engine must be one of {', '.join(GENERATORS)}, not {self.engine!r}")
         if self.batch_size < 0 or self.window < 1 or self.tp < 1 or self.max_samples < 0:
             raise EyasError("--batch-size and --max-samples must be >= 0, --window and --tp >= 1")
         if self.max_time < 0:
@@ -85,11 +86,10 @@ def run_regenerate(opts: RegenerateOptions, *, model: Any = None, tokenizer: Any
     sampling = subset(opts, Sampling)
     run_device = resolve_device(opts.device) if model is None else next(model.parameters()).device
     batch_size = opts.batch_size or (1024 if run_device.type == "cuda" else 32)
-    name = resolve_generator(opts.generator, run_device)
+    name = resolve_generator(opts.engine, run_device)
     out = Path(opts.out)
     sources = [resolve_input(str(i)) for i in opts.inputs]
     model_name = resolve_model(opts.model) if model is None else getattr(model.config, "name_or_path", "")
-    # "engine" is the generator's key from before it was renamed: outputs and partial files stay valid
     options = {"format": FORMAT, "inputs": [s.fingerprint() for s in sources], "model": model_name,
                "sampling": asdict(sampling), "batch_size": batch_size, "max_length": opts.max_length,
                "max_samples": opts.max_samples, "dtype": opts.dtype, "engine": name}
@@ -114,7 +114,7 @@ def run_regenerate(opts: RegenerateOptions, *, model: Any = None, tokenizer: Any
             gen.run(convs, batch_size, todo, sampling.seed, save)
 
         run_generator(name, model, tokenizer, sampling, opts.max_length, work,
-                      fallback=opts.generator == "auto", window=opts.window, kv_cache_gb=opts.kv_cache_gb,
+                      fallback=opts.engine == "auto", window=opts.window, kv_cache_gb=opts.kv_cache_gb,
                       tp=opts.tp, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code)
 
     return _run(out, options, len(convs), rewrite, opts.max_time, on_batch, skipped=dict(log.counts))

@@ -27,10 +27,10 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from eyas.recipes.launch import plan_processes
+from eyas.recipes.launch import assign_processes
 from eyas.utils.io import EyasError, atomic_write_json, read_json, sha256_json
 from eyas.utils.resume import up_to_date
-from eyas.utils.schema import cli_command, from_mapping, option, to_mapping
+from eyas.utils.schema import from_mapping, option, to_mapping
 
 STAGES = ("prepare", "regenerate", "extract", "train", "export", "eval")
 console = Console(stderr=True)
@@ -68,7 +68,7 @@ class Stage:
 
 
 def load_config(path: Path) -> RunConfig:
-    """The config file, parsed and checked at the top level (each section is checked by `plan_pipeline`)."""
+    """The config file, parsed and checked at the top level (each section is checked by `build_stages`)."""
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError as e:
@@ -100,7 +100,7 @@ def _section(cfg: RunConfig, path: Path, stage: str, cls: type, owned: dict[str,
     return from_mapping(cls, {**owned, **section}, f"{path}: {stage}")
 
 
-def plan_pipeline(cfg: RunConfig, path: Path, refuse: bool = True) -> list[Stage]:
+def build_stages(cfg: RunConfig, path: Path, refuse: bool = True) -> list[Stage]:
     """Every stage of the run with validated options, in order; raises on any bad section, and (with
     `refuse`) on a stage whose processes `eyas run` cannot start here."""
     from eyas.recipes import export, extract, prepare, regenerate
@@ -135,7 +135,7 @@ def plan_pipeline(cfg: RunConfig, path: Path, refuse: bool = True) -> list[Stage
                                                                "format": "all"})
     stages.append(Stage("export", exp, [paths["export"]], lambda: export.run_export(exp)))
     stages.append(_eval_stage(cfg, path, draft, paths["eval"], work / "draft-untrained"))
-    plan_processes(cfg, stages, train=_train, refuse=refuse)  # several processes: torchrun, or a refusal now
+    assign_processes(cfg, stages, train=_train, refuse=refuse)  # several processes: torchrun, or a refusal now
     return stages
 
 
@@ -200,15 +200,18 @@ def _train(schedules: list[Any], run: Callable[[Any], dict[str, Any]] | None = N
 
 
 def make_untrained_draft(trained: Path, out: Path, seed: int = 0) -> None:
-    """The same draft (config, vocabulary, embedding) with fresh weights: the 'before training' baseline."""
+    """The same draft (its family, config, vocabulary and every frozen tensor: the target's embedding, and
+    its head where the family reads it frozen) with fresh trainable weights: the 'before training' baseline."""
     import torch
 
-    from eyas.model.draft import Eagle3Draft
+    from eyas.model.families import build_draft, load_draft
 
-    draft = Eagle3Draft.from_pretrained(trained)
+    draft = load_draft(trained)
     torch.manual_seed(seed)
-    draft.reset_parameters()
-    draft.save_pretrained(out)
+    fresh = build_draft(draft.config)
+    kept = {n for n, p in draft.named_parameters() if not p.requires_grad} | {n for n, _ in draft.named_buffers()}
+    fresh.load_state_dict({k: v for k, v in draft.state_dict().items() if k in kept}, strict=False)
+    fresh.save_pretrained(out)
 
 
 def stage_keys(stages: list[Stage]) -> list[str]:
@@ -226,7 +229,7 @@ def run_pipeline(cfg: RunConfig, config_path: Path, force: set[str] = frozenset(
     for stage in force:
         if stage not in STAGES:
             raise EyasError(f"--force {stage}: not a stage; stages: {', '.join(STAGES)}")
-    stages = plan_pipeline(cfg, config_path)  # every section checked before anything runs
+    stages = build_stages(cfg, config_path)  # every section checked before anything runs
     work = Path(cfg.workdir or Path("runs") / config_path.stem)
     work.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]eyas run[/] {config_path} → {work}  (target: {cfg.target}, "
@@ -371,13 +374,6 @@ class RunOptions:
                            "memory, time, what is up to date) and the commands of stages run under torchrun.")
 
 
-def _run_command(o: RunOptions) -> None:
-    if o.dry_run:
-        from eyas.recipes.plan import show_plan
-
-        show_plan(o.config, refuse=True)
-        return
+def run_command(o: RunOptions) -> None:
+    """`eyas run` without --dry-run (eyas.cli wires --dry-run to `eyas plan`'s printout)."""
     run_pipeline(load_config(o.config), config_path=o.config, force=set(o.force))
-
-
-cli = cli_command(RunOptions, _run_command)

@@ -1,5 +1,4 @@
-"""Train a draft model (EAGLE-3, DFlash or P-EAGLE) on the target's hidden states, each step unrolled over
-its own predictions as decoding feeds them (training-time test, TTT).
+"""Train a draft model of any family (EAGLE-3, DFlash, P-EAGLE, ...) on the target's hidden states.
 
 Offline, from the hidden states `eyas extract` stored:
 
@@ -9,9 +8,8 @@ Online, with the target in the loop (no states on disk):
 
     eyas train --prepared DATA --online --model TARGET --out OUT
 
-Either trains an EAGLE-3 draft, or with `--family dflash` a DFlash (block-parallel) one or with
-`--family peagle` a P-EAGLE (parallel-drafting EAGLE-3) one from the same data: the family picks the
-model (eyas.model.families) and the objective (eyas.train.objectives).
+`--family` picks the draft family (eagle3 by default; eyas.model.family_facts lists them all), and so
+the model (eyas.model.families) and the objective (eyas.train.objectives) from the same data.
 
 Several GPUs: `torchrun --nproc-per-node 8 -m eyas.cli train ... [--fsdp]`. OUT/draft is the draft
 checkpoint (for `eyas export` and `eyas eval`); OUT/metrics.jsonl has loss, per-step accuracy and
@@ -49,7 +47,7 @@ class TrainOptions(DraftOptions, TrainConfig):
     out: Path = option(short="-o", help="Output folder: OUT/draft, OUT/metrics.jsonl, OUT/train_state/.")
     store: Path | None = option(None, help="Hidden-state store from `eyas extract` (offline training).")
     verify_store: bool = option(False, help="Check every store file's sha256 before training, which finds flipped "
-                                "bytes; it reads the whole store once (about 1.5 s per GiB on 2 CPU cores). Every "
+                                "bytes; it reads every byte of the store once before the first step. Every "
                                 "file's header and size are checked always.")
     prepared: Path | None = option(None, help="Prepared dataset from `eyas prepare` (with --online).")
     online: bool = option(False, help="Run the target in the loop instead of reading a store.")
@@ -73,10 +71,11 @@ class TrainOptions(DraftOptions, TrainConfig):
                            "bounded in-memory queue between them).")
     target_dtype: str = option("auto", help="Compute dtype of the target online: auto (bf16 on GPU, fp32 on CPU), "
                                "bfloat16, float32.")
-    aux_layers: list[int] | None = option(None, comma=True, show_default="online: 2,N//2,N-3; offline: the store's",
-                                          help="Aux layer ids in layer order (id k = input of decoder layer k). "
-                                               "Online: the target's layers to capture; offline: some of the "
-                                               "store's, to compare choices on one extraction.")
+    aux_layer_ids: list[int] | None = option(None, comma=True, flag="--aux-layers",
+                                             show_default="online: 2,N//2,N-3; offline: the store's",
+                                             help="Aux layer ids in layer order (id k = input of decoder layer k). "
+                                                  "Online: the target's layers to capture; offline: some of the "
+                                                  "store's, to compare choices on one extraction.")
     init_draft: Path | None = option(None, show_default="none", help="Start from this draft's weights and "
                                      "vocabulary (eyas, vLLM, speculators, SpecForge or EAGLE layout; same target and "
                                      "aux layers) with a fresh optimizer and schedule.")
@@ -112,7 +111,9 @@ class TrainOptions(DraftOptions, TrainConfig):
         if self.init_head and self.init_draft is not None:
             raise EyasError("--init-head starts a fresh draft's lm_head from the target's; --init-draft brings a "
                             "trained lm_head already: drop one of them")
-        if self.family != "eagle3" and self.reply_start_weight != 1.0:
+        from eyas.train.objectives import objective_class
+
+        if self.reply_start_weight != 1.0 and "reply_start_weight" not in objective_class(self.family).options:
             raise EyasError(f"--reply-start-weight is an EAGLE-3 objective option; a {self.family} draft weighs its "
                             "positions otherwise (dflash: --block-gamma): drop it")
 
@@ -126,7 +127,7 @@ class Source:
     lengths: np.ndarray
     target_name: str
     target_config: Any
-    aux_ids: list[int]
+    aux_layer_ids: list[int]
     head: Any  # TargetHead
     identity: dict[str, Any]  # what the fingerprint records about the data
     engine: Any = None  # online: the target engine (None on ranks another rank's target feeds)
@@ -150,7 +151,7 @@ class TrainRecipe:
         self.source = self.setup_source(engine)
         self._counts: torch.Tensor | None = None
         self.dcfg, self.init = self.setup_draft_config()
-        self.setup_plan()
+        self.setup_schedule()
         self.options = self.fingerprint()
         self.options_sha = sha256_json(self.options)
 
@@ -165,7 +166,7 @@ class TrainRecipe:
             from eyas.model.config import target_config_sha256
             from eyas.store import HiddenStore
 
-            st = HiddenStore(o.store, o.aux_layers, verify=o.verify_store)
+            st = HiddenStore(o.store, o.aux_layer_ids, verify=o.verify_store)
             m = st.manifest
             name = resolve_model(o.model) if o.model else m["target"]
             cfg = read_target_config(name, o.trust_remote_code)
@@ -199,7 +200,7 @@ class TrainRecipe:
             preflight_engine(engine, preflight_samples(ds), trust_remote_code=o.trust_remote_code, log=self.say)
         name = target.name
         cfg = target.config or read_target_config(name, o.trust_remote_code)
-        return Source("prepared", Path(o.prepared), ds.lengths, name, cfg, target.aux_ids, target.head,
+        return Source("prepared", Path(o.prepared), ds.lengths, name, cfg, target.aux_layer_ids, target.head,
                       {"prepared": ds.manifest.get("options_sha256"), "num_tokens": ds.num_tokens, "target": name},
                       engine=engine, owns_engine=owns, feed=target.feed)
 
@@ -207,12 +208,13 @@ class TrainRecipe:
         """The draft's config from every draft option at once, and the draft --init-draft names."""
         from eyas.model.config import text_config
         from eyas.model.dflash import choose_mask_token
+        from eyas.model.family_facts import family
 
         src = self.source
-        dcfg = DraftConfig.from_target_config(src.target_config, src.aux_ids, target=str(src.target_name),
+        dcfg = DraftConfig.from_target_config(src.target_config, src.aux_layer_ids, target=str(src.target_name),
                                               options=subset(self.opts, DraftOptions), vocab_size=src.head.vocab_size)
         if self.opts.init_draft is None:
-            if dcfg.family in ("dflash", "peagle") and dcfg.mask_token_id < 0:
+            if family(dcfg.family).mask_token and dcfg.mask_token_id < 0:
                 pad = getattr(text_config(src.target_config), "pad_token_id", None)
                 dcfg.mask_token_id = choose_mask_token(self.token_counts(), pad)
             return dcfg, None
@@ -232,13 +234,13 @@ class TrainRecipe:
             self._counts = token_counts(self.source.path, self.source.kind, self.source.head.vocab_size)
         return self._counts
 
-    def setup_plan(self) -> None:
+    def setup_schedule(self) -> None:
         """Held-out samples and the packing plan; the number of steps."""
-        from eyas.train.data import Plan, hold_out
+        from eyas.train.data import PackSchedule, hold_out
 
         o, lengths = self.opts, self.source.lengths
         self.train_ids, self.val_ids = hold_out(len(lengths), o.val_samples, o.seed)  # the vocabulary counts all
-        self.plan = Plan.over(lengths, self.train_ids, budget=self.budget, seed=o.seed, world=self.info.world,
+        self.plan = PackSchedule.over(lengths, self.train_ids, budget=self.budget, seed=o.seed, world=self.info.world,
                               grad_accum=o.grad_accum)
         self.steps_per_epoch = self.plan.steps_per_epoch()
         if self.steps_per_epoch == 0 and not o.max_steps:
@@ -249,10 +251,10 @@ class TrainRecipe:
 
     def fingerprint(self) -> dict[str, Any]:
         """Everything the trained draft depends on: a rerun with the same reuses OUT, and a resume must match."""
-        from eyas.train.objectives import OBJECTIVES
+        from eyas.train.objectives import objective_class
 
         o = self.opts
-        schedule = {**o.schedule_options(OBJECTIVES[self.dcfg.family].options), "token_budget": self.budget}
+        schedule = {**o.schedule_options(objective_class(self.dcfg.family).options), "token_budget": self.budget}
         return {"format": TRAIN_STATE_FORMAT, "source": self.source.identity, "kind": self.source.kind,
                 "draft": {k: v for k, v in self.dcfg.to_dict().items() if k != "extra"}, "train": schedule,
                 "world": self.info.world, "init": fingerprint_path(o.init_draft) if self.init is not None else None,
@@ -324,7 +326,7 @@ class TrainRecipe:
             self.close()
 
     def loop(self, trainer: Any, progress: dict[str, Any], resumed: bool) -> tuple[dict[str, Any], float]:
-        from eyas.train.data import PackDataset, Plan, SampleSource, iterate_batches
+        from eyas.train.data import PackDataset, PackSchedule, SampleSource, iterate_batches
         from eyas.train.loop import run_loop
         from eyas.train.metrics import MetricsLog
 
@@ -337,7 +339,7 @@ class TrainRecipe:
                  f"{self.total} steps of {info.world} x {o.grad_accum} x {self.budget} tokens, {trainer.mode} on "
                  f"{info.device}")
         pad_to = self.budget if info.device.type == "cuda" or trainer.compiled else None  # one shape for kernels
-        sample_source = SampleSource(src.path, src.kind, src.aux_ids if src.kind == "store" else None)
+        sample_source = SampleSource(src.path, src.kind, src.aux_layer_ids if src.kind == "store" else None)
         loader = dict(num_workers=o.num_workers, pin=info.device.type == "cuda", pad_to=pad_to,
                       embed_table=trainer.embed_table)
         if online:  # the target's states computed ahead of the draft (eyas.train.online)
@@ -349,7 +351,7 @@ class TrainRecipe:
                                       states=True, **loader)
         validate = None
         if len(self.val_ids):
-            packs = Plan.over(src.lengths, self.val_ids, budget=self.budget, seed=o.seed, world=1, grad_accum=1,
+            packs = PackSchedule.over(src.lengths, self.val_ids, budget=self.budget, seed=o.seed, world=1, grad_accum=1,
                               shuffle=False).packs(0)
             held_out = PackDataset(sample_source, packs, self.budget, pad_to, not online, trainer.embed_table)
 

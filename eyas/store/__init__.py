@@ -12,13 +12,13 @@ from eyas.store.writer import (
     check_disk_for,
     finish_partial,
     finished_partial,
-    load_plan,
+    load_shard_specs,
     partial_dir,
-    plan_shards,
     prepare_partial,
+    split_shards,
     write_safetensors,
 )
 
 __all__ = ["FORMAT", "HiddenStore", "ShardBuffer", "ShardSpec", "StoreMeta", "StoreWriter", "check_disk_for",
-           "dequantize_fp8", "finish_partial", "finished_partial", "load_plan", "partial_dir", "plan_shards",
+           "dequantize_fp8", "finish_partial", "finished_partial", "load_shard_specs", "partial_dir", "split_shards",
            "prepare_partial", "quantize_fp8", "verify_store", "write_safetensors"]

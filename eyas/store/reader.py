@@ -46,9 +46,9 @@ class HiddenStore:
         self.aux_layer_ids: list[int] = stored if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
         self._aux_pick: torch.Tensor | None = None  # indices of the read layers among the stored ones
         if self.aux_layer_ids != stored:
-            from eyas.engines.base import validate_aux_layer_ids
+            from eyas.model.aux_layers import check_aux_layer_ids
 
-            validate_aux_layer_ids(self.aux_layer_ids, int(m["num_layers"]))
+            check_aux_layer_ids(self.aux_layer_ids, int(m["num_layers"]))
             missing = [i for i in self.aux_layer_ids if i not in stored]
             if missing:
                 raise EyasError(f"the store {self.path} holds aux layers {stored}, not {missing}: pick among those, "

@@ -115,7 +115,7 @@ def store_file_bytes(meta: StoreMeta, shards: list[ShardSpec]) -> dict[str, int]
     return files
 
 
-def plan_shards(lengths: np.ndarray, bytes_per_token: int, shard_bytes: int, min_shards: int = 1) -> list[ShardSpec]:
+def split_shards(lengths: np.ndarray, bytes_per_token: int, shard_bytes: int, min_shards: int = 1) -> list[ShardSpec]:
     """Cut samples [0, n) into contiguous shards of about `shard_bytes` (at least `min_shards`, so
     every rank gets work). A shard closes once it reaches the size, so e.g. 8 sequences of 2048
     tokens share one shard rather than 7 + a remainder. Depends only on these inputs."""
@@ -438,7 +438,7 @@ def prepare_partial(out: str | os.PathLike, meta: StoreMeta, plan: list[ShardSpe
     return plan
 
 
-def load_plan(out: str | os.PathLike) -> list[ShardSpec]:
+def load_shard_specs(out: str | os.PathLike) -> list[ShardSpec]:
     return [ShardSpec(**s) for s in read_json(partial_dir(out) / "plan.json")["shards"]]
 
 

@@ -1,10 +1,10 @@
 """torch.compile's artifacts kept with a training run, so that a run resumed on another machine (a spot
 instance, another node, a fresh container) does not compile everything again.
 
-Why: on an H200 the first step of SmolLM2's draft took 209 s before the first optimizer step, nearly all
-of it torch.compile building the draft layer's halves, the loss chunk and flex attention, forward and
-backward. Torch caches those on local disk (TORCHINDUCTOR_CACHE_DIR), which a new machine does not
-have; `torch.compiler.save_cache_artifacts` packs what this process compiled into one blob that
+Why: a fresh run's first step spends minutes in torch.compile building the draft layer's halves, the loss
+chunk and flex attention, forward and backward (docs/benchmarks.md, "Train"). Torch caches those on
+local disk (TORCHINDUCTOR_CACHE_DIR), which a new machine does not have;
+`torch.compiler.save_cache_artifacts` packs what this process compiled into one blob that
 `load_cache_artifacts` puts back into the local caches. The blob lives in OUT/train_state/, next to
 the checkpoints it speeds up. A blob from another torch version or GPU is only a miss: torch keys every
 artifact by its inputs, and a blob that cannot be read is ignored with a note.

@@ -51,7 +51,7 @@ def pack_window(lengths: np.ndarray, budget: int) -> list[list[int]]:
     return bins
 
 
-def plan_epoch(lengths: np.ndarray, budget: int, seed: int, epoch: int, shuffle: bool = True,
+def pack_epoch(lengths: np.ndarray, budget: int, seed: int, epoch: int, shuffle: bool = True,
                window: int = 2048) -> list[np.ndarray]:
     """The packs (arrays of sample indices) of one epoch, in training order."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -67,7 +67,7 @@ def plan_epoch(lengths: np.ndarray, budget: int, seed: int, epoch: int, shuffle:
 
 
 @dataclass
-class Plan:
+class PackSchedule:
     """Which packs each rank reads at each optimizer step: step s of an epoch uses packs
     [s*G, (s+1)*G), G = world * grad_accum; rank r takes [s*G + r*accum, s*G + (r+1)*accum)."""
 
@@ -80,12 +80,12 @@ class Plan:
     samples: np.ndarray | None = None  # the dataset ids of `lengths`' entries; None = 0..n-1 (all samples)
 
     @classmethod
-    def over(cls, lengths: np.ndarray, samples: np.ndarray, **kw: Any) -> Plan:
+    def over(cls, lengths: np.ndarray, samples: np.ndarray, **kw: Any) -> PackSchedule:
         """A plan over some of the dataset's samples (those not held out for validation)."""
         return cls(np.asarray(lengths)[samples], samples=samples, **kw)
 
     def packs(self, epoch: int) -> list[np.ndarray]:
-        packs = plan_epoch(self.lengths, self.budget, self.seed, epoch, self.shuffle)
+        packs = pack_epoch(self.lengths, self.budget, self.seed, epoch, self.shuffle)
         return packs if self.samples is None else [self.samples[p] for p in packs]
 
     def steps_per_epoch(self) -> int:
@@ -214,7 +214,7 @@ def fill_states(batch: dict[str, Any], engine: Any) -> dict[str, Any]:
     return {**batch, "aux_hidden": aux, "final_hidden": final}
 
 
-def iterate_batches(source: SampleSource | Any, plan: Plan, rank: int, start_epoch: int, start_step: int,
+def iterate_batches(source: SampleSource | Any, plan: PackSchedule, rank: int, start_epoch: int, start_step: int,
                     num_workers: int = 2, pin: bool = False, pad_to: int | None = None, states: bool = True,
                     epochs: int | None = None, embed_table: torch.Tensor | None = None
                     ) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:

@@ -22,12 +22,15 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from eyas.model.attention import BlockAttention
 from eyas.model.dflash import DFlashDraft
+from eyas.model.draft import DraftModel
+from eyas.train.config import TrainConfig
 from eyas.train.loss import LossSpec, TargetDist, fused_draft_ce, reference_draft_ce
 
 
@@ -108,3 +111,29 @@ class BlockObjective(nn.Module):
             return fused_draft_ce(draft.lm_head.weight, hiddens, target, wvalid, self.cfg.loss_chunk_elems,
                                   compiled=self.cfg.compile, rows=rows, loss=self.cfg.loss)
         return reference_draft_ce(draft.lm_head.weight, hiddens, target, wvalid, rows=rows, loss=self.cfg.loss)
+
+
+class DFlashObjective(BlockObjective):
+    """DFlash: blocks drafted from sampled anchors (eyas.train.dflash) on a packed batch."""
+
+    options: ClassVar[tuple[str, ...]] = ("block_gamma", "block_anchors", "loss", "lk_eta")
+    graphable = False  # the anchors are drawn from a host seed per batch
+
+    @classmethod
+    def build(cls, draft: DraftModel, cfg: TrainConfig, compiled: bool, embed_table: Any) -> DFlashObjective:
+        B = draft.config.block_size
+        device = next(draft.parameters()).device
+        anchors = cfg.block_anchors or max(1, cfg.resolved_budget(device) // B)
+        mask = None if embed_table is None else embed_table[draft.config.mask_token_id].to(device)
+        return cls(draft, BlockConfig(block_size=B, gamma=cfg.block_gamma, anchors=anchors, attention=cfg.attention,
+                                      seed=cfg.seed, compile=compiled, loss=cfg.loss_spec()), mask)
+
+    @property
+    def pad_rows(self) -> int:
+        return self.cfg.block_size
+
+    def forward(self, batch: dict[str, Any], target_probs: torch.Tensor, target_ids: torch.Tensor,
+                block_mask: Any = None, target_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(batch["input_ids"], batch["aux_hidden"], batch["position_ids"], batch["loss_mask"],
+                               batch["document_ids"], TargetDist(target_probs, target_ids, target_mass),
+                               anchor_seed(self.cfg.seed, batch["samples"]), batch.get("input_embeds"))

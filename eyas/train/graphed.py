@@ -1,10 +1,9 @@
 """A whole optimizer step as one CUDA graph: forward of all TTT steps, the fused loss, backward,
 clipping and AdamW, replayed with a single launch.
 
-Why: a small draft (SmolLM2's: 576 wide) does little work per kernel, so an eager step is bound by
-launching its kernels and the Python that issues them (on an H200: 39-52 ms at 2048 tokens, 68 ms
-at 8192). Replaying the captured step removes that overhead; a large draft gains only the gaps between
-kernels (figures in docs/benchmarks.md, "Train").
+Why: a small draft does little work per kernel, so an eager step is bound by launching its kernels
+and the Python that issues them. Replaying the captured step removes that overhead; a large draft
+gains only the gaps between kernels (figures in docs/benchmarks.md, "Train").
 
 How, within what a graph allows (fixed addresses, fixed shapes, no host syncs):
 - every batch is copied into static device buffers (the trainer pads each packed row to its token

@@ -9,7 +9,7 @@ An objective is an nn.Module wrapping the draft (so DDP/FSDP wrap it whole) with
   rows are per step / block slot: CE sum, correct count, valid count;
 - `weights` [S]: each stats row's loss weight (eyas.train.ttt.summarize);
 - `pad_rows`, and `graphable`: whether one optimizer step may be replayed as a CUDA graph.
-`OBJECTIVES[family].options` names the TrainConfig fields it reads (they join the run's fingerprint).
+`objective_class(family).options` names the TrainConfig fields it reads (they join the run's fingerprint).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 import torch
 
 from eyas.model.draft import DraftModel
+from eyas.model.family_facts import family_part
 from eyas.train.config import TrainConfig
-from eyas.train.dflash import BlockConfig, BlockObjective, anchor_seed
+from eyas.train.dflash import anchor_seed
 from eyas.train.loss import TargetDist
 from eyas.train.peagle import ParallelConfig, ParallelObjective
 from eyas.train.ttt import TTTConfig, TTTModel
@@ -53,32 +54,6 @@ class TTTObjective(TTTModel):
                                batch["loss_mask"][None], target_probs, target_ids, docs, emb, block_mask, target_mass)
 
 
-class DFlashObjective(BlockObjective):
-    """DFlash: blocks drafted from sampled anchors (eyas.train.dflash) on a packed batch."""
-
-    options: ClassVar[tuple[str, ...]] = ("block_gamma", "block_anchors", "loss", "lk_eta")
-    graphable = False  # the anchors are drawn from a host seed per batch
-
-    @classmethod
-    def build(cls, draft: DraftModel, cfg: TrainConfig, compiled: bool, embed_table: Any) -> DFlashObjective:
-        B = draft.config.block_size
-        device = next(draft.parameters()).device
-        anchors = cfg.block_anchors or max(1, cfg.resolved_budget(device) // B)
-        mask = None if embed_table is None else embed_table[draft.config.mask_token_id].to(device)
-        return cls(draft, BlockConfig(block_size=B, gamma=cfg.block_gamma, anchors=anchors, attention=cfg.attention,
-                                      seed=cfg.seed, compile=compiled, loss=cfg.loss_spec()), mask)
-
-    @property
-    def pad_rows(self) -> int:
-        return self.cfg.block_size
-
-    def forward(self, batch: dict[str, Any], target_probs: torch.Tensor, target_ids: torch.Tensor,
-                block_mask: Any = None, target_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().forward(batch["input_ids"], batch["aux_hidden"], batch["position_ids"], batch["loss_mask"],
-                               batch["document_ids"], TargetDist(target_probs, target_ids, target_mass),
-                               anchor_seed(self.cfg.seed, batch["samples"]), batch.get("input_embeds"))
-
-
 class PEagleObjective(ParallelObjective):
     """P-EAGLE: depth 0 over every row and COD-sampled deeper depths in one forward (eyas.train.peagle)."""
 
@@ -102,11 +77,12 @@ class PEagleObjective(ParallelObjective):
                                anchor_seed(self.cfg.seed, batch["samples"]), batch.get("input_embeds"))
 
 
-OBJECTIVES: dict[str, Any] = {"eagle3": TTTObjective, "dflash": DFlashObjective, "peagle": PEagleObjective}
+def objective_class(family: str) -> Any:
+    """The objective class family `family` declares (eyas.model.family_facts)."""
+    return family_part(family, "objective")
 
 
-def make_objective(draft: DraftModel, cfg: TrainConfig, compiled: bool, embed_table: torch.Tensor | None
-                   ) -> TTTObjective | DFlashObjective | PEagleObjective:
+def make_objective(draft: DraftModel, cfg: TrainConfig, compiled: bool, embed_table: torch.Tensor | None) -> Any:
     """The training objective of the draft's family; `embed_table`: the frozen embedding when the
     trainer keeps it on the host (the draft then has none)."""
-    return OBJECTIVES[draft.config.family].build(draft, cfg, compiled, embed_table)
+    return objective_class(draft.config.family).build(draft, cfg, compiled, embed_table)

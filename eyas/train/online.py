@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eyas.train.data import Plan, iterate_batches
+from eyas.train.data import PackSchedule, iterate_batches
 from eyas.utils.io import EyasError
 
 # what torchrun tells its workers; the target's own worker processes must not join the trainers' world
@@ -180,7 +180,7 @@ class TargetFeed:
 
     # -- training batches ------------------------------------------------------------------------
 
-    def batches(self, source: Any, plan: Plan, start_epoch: int, start_step: int, steps: int,
+    def batches(self, source: Any, plan: PackSchedule, start_epoch: int, start_step: int, steps: int,
                 **loader: Any) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
         """(epoch, step in epoch, this rank's micro-batches with states) for the next `steps` optimizer
         steps; `loader` goes to eyas.train.data.iterate_batches (token ids only)."""
@@ -192,7 +192,7 @@ class TargetFeed:
         served = self.layout.served
         if served != [self.layout.rank]:
             loader["embed_table"] = None  # the trainer looks its rows up; the host would do it for every rank
-        view = NodePlan(plan, served)
+        view = NodeLayout(plan, served)
         tokens = iterate_batches(source, view, 0, start_epoch, start_step, states=False, **loader)
         self.thread = threading.Thread(target=self._produce, args=(tokens, steps), name="eyas-target", daemon=True)
         self.thread.start()
@@ -294,11 +294,11 @@ class TargetFeed:
         self.inflight = []
 
 
-class NodePlan:
+class NodeLayout:
     """A plan's packs for several consecutive ranks at once, step by step ([rank a's micro-batches,
     rank a+1's, ...] per step): what a host captures for its node, read through `iterate_batches`."""
 
-    def __init__(self, plan: Plan, ranks: list[int]) -> None:
+    def __init__(self, plan: PackSchedule, ranks: list[int]) -> None:
         self.plan, self.ranks = plan, ranks
         self.grad_accum = plan.grad_accum * len(ranks)
         self.world, self.budget = plan.world, plan.budget
@@ -323,7 +323,7 @@ class OnlineTarget:
 
     name: str
     config: Any  # the transformers config (None on clients: read it from `name`)
-    aux_ids: list[int]
+    aux_layer_ids: list[int]
     head: Any  # TargetHead
     engine: Any
     feed: TargetFeed
@@ -349,17 +349,18 @@ def open_online_target(opts: Any, info: Any, lengths: Any, budget: int, engine: 
 
         facts = (StateSpec.probe(engine), list(engine.aux_layer_ids), getattr(engine, "model_name", model)) \
             if info.rank == 0 else None
-        spec, aux_ids, name = D.broadcast_object(facts)
-        if engine is not None and list(engine.aux_layer_ids) != aux_ids:
-            raise EyasError(f"rank {info.rank}'s target captures layers {engine.aux_layer_ids}, rank 0's {aux_ids}")
+        spec, aux_layer_ids, name = D.broadcast_object(facts)
+        if engine is not None and list(engine.aux_layer_ids) != aux_layer_ids:
+            raise EyasError(f"rank {info.rank}'s target captures layers {engine.aux_layer_ids}, rank 0's "
+                            f"{aux_layer_ids}")
         group = dist.new_group(backend="nccl" if info.device.type == "cuda" else "gloo")
         head = read_target_head(Path(resolve_model(name)))
     else:
-        spec, aux_ids, head = StateSpec.probe(engine), list(engine.aux_layer_ids), engine.target_head()
+        spec, aux_layer_ids, head = StateSpec.probe(engine), list(engine.aux_layer_ids), engine.target_head()
         name = getattr(engine, "model_name", model)
     feed = TargetFeed(engine, layout, spec, info.device, group, opts.prefetch)
     config = getattr(engine, "config", None)  # hf: transformers' config; vllm keeps config.json as a dict
-    return OnlineTarget(name, None if isinstance(config, dict) else config, aux_ids, head, engine, feed)
+    return OnlineTarget(name, None if isinstance(config, dict) else config, aux_layer_ids, head, engine, feed)
 
 
 def start_engine(opts: Any, info: Any, model: str, max_len: int, budget: int, trainers_per_node: int) -> Any:
@@ -371,7 +372,7 @@ def start_engine(opts: Any, info: Any, model: str, max_len: int, budget: int, tr
 
     dtype = str(resolve_dtype(opts.target_dtype, info.device)).removeprefix("torch.")
     extra, cuda = dict(opts.target_options), info.device.type == "cuda"
-    kw = dict(aux_layer_ids=opts.aux_layers, dtype=dtype, trust_remote_code=opts.trust_remote_code)
+    kw = dict(aux_layer_ids=opts.aux_layer_ids, dtype=dtype, trust_remote_code=opts.trust_remote_code)
     if opts.engine == "hf" and opts.device_map is None:
         device = f"cuda:{opts.target_gpus[0]}" if cuda and opts.target_gpus else str(info.device)
         return load_engine("hf", model, device=device, **kw, **extra)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.model.draft import Eagle3Draft
+from eyas.model.draft import DraftModel
 from eyas.train import distributed as D
 from eyas.train.config import TrainConfig
 from eyas.train.ttt import TTTModel
@@ -117,14 +117,14 @@ class Strategy(ABC):
     name: str  # Trainer.mode: "fp32" | "master" | "fsdp"
     fused_optimizer = True  # fused AdamW on CUDA
     model: nn.Module  # the wrapped TTT model
-    draft: Eagle3Draft
+    draft: DraftModel
     opt_params: list[torch.Tensor]
 
     def __init__(self, info: D.DistInfo, dtype: torch.dtype) -> None:
         self.info, self.dtype = info, dtype
         self.bf16 = dtype == torch.bfloat16
 
-    def cast(self, draft: Eagle3Draft) -> Eagle3Draft:
+    def cast(self, draft: DraftModel) -> DraftModel:
         """The draft in the dtype its weights are kept in (called before it moves to the device)."""
         return draft
 
@@ -171,7 +171,7 @@ class SingleProcess(Strategy):
         super().__init__(info, dtype)
         self.name = "master" if self.bf16 else "fp32"
 
-    def cast(self, draft: Eagle3Draft) -> Eagle3Draft:
+    def cast(self, draft: DraftModel) -> DraftModel:
         return draft.to(self.dtype) if self.bf16 else draft
 
     def wrap(self, model: TTTModel) -> nn.Module:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.model.attention import TTTAttention
-from eyas.model.draft import Eagle3Draft
+from eyas.model.eagle3 import Eagle3Draft
 from eyas.train.loss import (
     LossSpec,
     TargetDist,

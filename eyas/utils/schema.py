@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -34,15 +35,18 @@ _MISSING = dataclasses.MISSING
 
 def option(default: Any = _MISSING, help: str = "", *, short: str | None = None, flag: str | None = None,
            default_factory: Callable[[], Any] | None = None, show_default: bool | str = True,
-           positional: bool = False, cli: bool = True, comma: bool = False) -> Any:
+           positional: bool = False, cli: bool = True, comma: bool = False, old_name: str | None = None) -> Any:
     """A schema field. No `default` (and no `default_factory`) makes it required.
 
     `flag` overrides the CLI spelling (default: `--field-name`), `short` adds an alias such as `-o`;
     `show_default` is what `--help` shows as the default (False: nothing, a string: that text);
     `positional` makes it the command's argument; `cli=False` keeps it out of the CLI (YAML and
-    Python only); `comma` (a list field) also takes "2,15,29" as one value, on the CLI and in YAML."""
+    Python only); `comma` (a list field) also takes "2,15,29" as one value, on the CLI and in YAML;
+    `old_name`: the field's former name, still read as a CLI flag and a YAML key, with a deprecation note."""
+    if old_name:
+        help += f" (`--{old_name.replace('_', '-')}` / `{old_name}:` is its old spelling: deprecated, still read.)"
     meta = {"help": help, "short": short, "flag": flag, "show_default": show_default, "positional": positional,
-            "cli": cli, "comma": comma}
+            "cli": cli, "comma": comma, "old_name": old_name}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -110,6 +114,7 @@ def from_mapping(cls: type[T], values: Mapping[str, Any], where: str) -> T:
         raise EyasError(f"{where}: expected a mapping of options, got {type(values).__name__} {values!r}")
     hints = type_hints(cls)
     known = {f.name for f in fields(cls)}
+    values = _renamed(cls, values, where)
     unknown = sorted(set(values) - known)
     if unknown:
         raise EyasError(f"{where}: unknown option(s) {unknown}; valid: {sorted(known)}")
@@ -164,6 +169,17 @@ def to_mapping(obj: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _renamed(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`values` with each field's old name (option(old_name=)) read as its new one, noting the rename."""
+    out = dict(values)
+    for f in fields(cls):
+        old = f.metadata.get("old_name")
+        if old and old in out and f.name not in out:
+            print(f"eyas: note: {where}.{old} is now `{f.name}`; the old key is deprecated", file=sys.stderr)
+            out[f.name] = out.pop(old)
+    return out
+
+
 def cli_command(cls: type[T], run: Callable[[T], Any]) -> Callable[..., None]:
     """A typer command function whose options are `cls`'s fields; it builds `cls(**options)` (which
     runs its checks) and calls `run` with it."""
@@ -181,7 +197,13 @@ def cli_command(cls: type[T], run: Callable[[T], Any]) -> Callable[..., None]:
     comma_fields = {f.name: f.metadata.get("flag") or "--" + f.name.replace("_", "-")
                     for f in fields(cls) if f.metadata.get("comma")}
 
+    old_flags = {"--" + f.metadata["old_name"].replace("_", "-"): f.name for f in fields(cls)
+                 if f.metadata.get("old_name")}
+
     def command(**kwargs: Any) -> None:
+        for old in old_flags.keys() & {a.split("=")[0] for a in sys.argv[1:]}:
+            print(f"eyas: note: {old} is now --{old_flags[old].replace('_', '-')}; the old flag is deprecated",
+                  file=sys.stderr)
         for name in (json_fields | set(comma_fields)) & set(kwargs):
             if kwargs[name] is None:  # not given: the field's own default
                 del kwargs[name]
@@ -271,6 +293,8 @@ def _typer_param(f: dataclasses.Field, tp: Any, panel: str | None = None) -> Any
     elif default is None and show is True:
         show = False  # "[default: None]" says nothing; the help says what leaving it out does
     names = [flag] + ([meta["short"]] if meta.get("short") else [])
+    if meta.get("old_name"):
+        names.append("--" + meta["old_name"].replace("_", "-"))
     extra = {}
     if typing.get_origin(_cli_type(tp)) is Literal:  # choices parsed here: the same on every typer version
         choices = [str(c) for c in typing.get_args(_cli_type(tp))]

@@ -25,7 +25,7 @@ import torch
 
 from eyas.assets import resolve_model
 from eyas.data.media import SampleMedia
-from eyas.engines.base import Capture, TargetEngine, default_aux_layer_ids, validate_aux_layer_ids
+from eyas.engines.base import Capture, TargetEngine
 from eyas.engines.head import TargetHead, read_target_head
 from eyas.engines.vllm.connector import CONNECTOR_MODULE, CONNECTOR_NAME, HANDOFF
 from eyas.engines.vllm.images import image_prompt
@@ -33,6 +33,7 @@ from eyas.engines.vllm.probe import TESTED_VLLM_VERSION, probe_vllm, supports_ea
 from eyas.engines.vllm.runtime import cpu_shm_idents, default_tmp_root, explain_start_error, unlink_cpu_shm
 from eyas.engines.vllm.workarounds import apply_cpu_workarounds, native_misses_layer0
 from eyas.engines.vllm.worker_hooks import install_hooks, remove_hooks, take_records
+from eyas.model.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from eyas.utils.io import EyasError
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -84,7 +85,7 @@ class VllmEngine(TargetEngine):
         self.hidden_size = int(text["hidden_size"])
         self.vocab_size = int(text["vocab_size"])
         ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
-        self.aux_layer_ids = validate_aux_layer_ids(ids, self.num_layers)
+        self.aux_layer_ids = check_aux_layer_ids(ids, self.num_layers)
         if self.path == "native" and native_misses_layer0(cfg, self.aux_layer_ids):
             if capture_path == "native":
                 raise EyasError("vLLM's DeepSeek model cannot hand out layer 0 on the native path (its residual is "
