@@ -15,7 +15,8 @@ The differences that silently cost acceptance, and how each layout spells them:
 
 Layer id k means the input of target decoder layer k (eyas, vLLM, speculators, transformers'
 `hidden_states[k]`). SGLang adds 1 to the explicit ids it reads from `eagle_config`, so it must be
-given k - 1. SGLang skips any tensor name it does not know without a word: a draft saved with
+given k - 1; eyas.model.aux_layers converts, and every export records the convention it wrote.
+SGLang skips any tensor name it does not know without a word: a draft saved with
 `layers.0.*` names runs there with a random decoder layer. The writers (`eyas.export.writers`)
 spell each layout out in full and the readers (`eyas.model.checkpoints`) undo it, so
 `import_draft(export_draft(d))` returns identical tensors. DFlash drafts have one layout that vLLM
