@@ -262,10 +262,16 @@ def test_random_draft_and_the_untrained_baseline_are_the_family_evaluated(tiny_f
             if p.requires_grad:
                 p.add_(1.0)  # "trained": every trainable tensor moved
     trained.save_pretrained(tmp_path / "trained")
+    # `eyas eval` of the family's folder on the default methods (eyas run's eval stage): its chains, no tree
     out = run_eval(EvalOptions(draft=str(tmp_path / "trained"), model=str(tiny_folder / "target"), prompts="mtbench",
-                               chain="2", tree="none", max_new_tokens=4, max_prompts=1, max_turns=1,
-                               out=tmp_path / "ev-trained"), log=lambda m: None)  # `eyas eval` of the family's folder
-    assert json.loads((out / "report.json").read_text())["results"]["mtbench"]["chain-2"]["identical_to_target"] == 1
+                               chain="2", max_new_tokens=4, max_prompts=1, max_turns=1, out=tmp_path / "ev-trained"),
+                   log=lambda m: None)
+    results = json.loads((out / "report.json").read_text())["results"]["mtbench"]
+    assert results["chain-2"]["identical_to_target"] == 1 and not any(m.startswith("tree") for m in results)
+    with pytest.raises(EyasError, match="chains only"):  # a tree asked for is refused, not dropped
+        run_eval(EvalOptions(draft=str(tmp_path / "trained"), model=str(tiny_folder / "target"), prompts="mtbench",
+                             chain="2", tree="8:2:4", max_new_tokens=4, max_prompts=1, max_turns=1,
+                             out=tmp_path / "ev-tree"), log=lambda m: None)
     make_untrained_draft(tmp_path / "trained", tmp_path / "untrained")
     before = load_draft(tmp_path / "untrained")
     assert type(before) is draft_class(random.config) and before.config == trained.config

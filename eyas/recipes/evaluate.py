@@ -21,6 +21,7 @@ from eyas.utils.resume import PartialLog, up_to_date
 from eyas.utils.schema import cli_command, option
 
 PARTIAL_SUFFIX = ".partial.jsonl"
+DEFAULT_TREE = "60:7:10"
 FORMAT = "eyas.eval/1"
 
 
@@ -36,9 +37,10 @@ class EvalOptions:
                           "humaneval, sharegpt, dummy, a chat file `prepare` reads, or a prepared dataset folder (its "
                           "last samples); NAME=PATH names a file's set, e.g. mtbench=question.jsonl.")
     chain: str = option("3,5,7", help="Chain lengths K to measure, comma-separated; `none` for no chain.")
-    tree: str = option("60:7:10", help="EAGLE-2 dynamic trees TOTAL:DEPTH:TOPK, comma-separated: TOTAL draft tokens "
+    tree: str = option(DEFAULT_TREE, help="EAGLE-2 dynamic trees TOTAL:DEPTH:TOPK, comma-separated: TOTAL draft tokens "
                        "verified in one target forward (plus the root), DEPTH draft steps (the longest path), TOPK "
-                       "children per expanded node; `none` for no tree.")
+                       "children per expanded node; `none` for no tree. The default applies to families that draft "
+                       "trees (EAGLE-3); the others are measured on chains.")
     temperature: float = option(0.0, help="0 = greedy; > 0 samples with lossless rejection sampling.")
     top_p: float = option(1.0, help="Nucleus sampling for temperature > 0.")
     max_new_tokens: int = option(256, help="New tokens per answer.")
@@ -237,6 +239,7 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
         tokenizer = AutoTokenizer.from_pretrained(target_path)
         target = load_hf_model(target_path, dt, dev).eval()  # a multimodal wrapper (Kimi-K2.5) runs its text
         draft_model = load_draft(opts.draft, target_path, target, dev, dt, opts.family)
+        trees = trees_for(draft_model.config.family, trees, opts.tree, log)
         done = {(r["set"], r["item"], r["turn"], r["method"]): r for r in partial.records}
         if done:
             log(f"resuming: {len(done)} generations already measured in {partial.path}")
@@ -250,6 +253,20 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
         result.serving = result.serving or serving_rows(1, runs_of(result.overall()))
     result.meta.update({"draft": opts.draft, "target": target_path, "prompts": opts.prompts})
     return result
+
+
+def trees_for(family_name: str, trees: list[Any], asked: str, log: Any) -> list[Any]:
+    """The trees to measure with a draft of `family_name`: none for a family that drafts none, unless the user
+    asked for some (then a clear error), so a DFlash or DSpark run on the defaults measures its chains."""
+    from eyas.model.family_facts import family
+
+    if not trees or family(family_name).trees:
+        return trees
+    if asked != DEFAULT_TREE:
+        raise EyasError(f"--tree {asked}: a {family_name} draft drafts chains only: measure it with --chain and "
+                        "--tree none")
+    log(f"a {family_name} draft drafts chains only: the default tree is left out")
+    return []
 
 
 def finish(result: Any, out: Path, label: str, compared: list, manifest: dict[str, Any], log: Any) -> None:
