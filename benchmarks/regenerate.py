@@ -5,7 +5,7 @@ new tokens, no early stop) at several batch sizes, both generators side by side 
 decode step, tokens/s, the ratio, and how many rows both generators decode to the same tokens (up to the
 first end-of-turn; bf16 kernels may flip near-ties). `generate` launches each layer's kernels from
 Python at every step, so on a GPU its step time stays flat as the batch grows (host-bound); the static
-generator (`eyas regenerate --generator static`, eyas.generate.graph_decode) replays each step as one CUDA
+generator (`eyas regenerate --engine static`, eyas.generate.graph_decode) replays each step as one CUDA
 graph. On a GPU the run also checks that the graph replay writes exactly what the same steps write eagerly.
 
 Part 2 (--conversations N) rewrites whole multi-turn conversations as `eyas regenerate` does, on the
@@ -102,7 +102,7 @@ def main() -> None:
 
 class InRounds(StaticGenerator):
     """The same decoder driven in rounds: each round's turns submitted together, the next round only
-    after its longest reply ends (what `--generator static` did before it streamed)."""
+    after its longest reply ends (what `--engine static` did before it streamed)."""
 
     def run(self, convs, chunk, todo, seed, on_chunk) -> None:
         run_in_rounds(self.turns, self.decoder.generate, convs, chunk, todo, seed, on_chunk)

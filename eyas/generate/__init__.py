@@ -28,7 +28,7 @@ def resolve_generator(name: str, device: torch.device) -> str:
     """The generator `name` stands for: "auto" is the CUDA-graph one where it pays (a GPU), else
     "generate" (on a CPU both run at the same speed)."""
     if name not in GENERATORS:
-        raise EyasError(f"--generator must be one of {', '.join(GENERATORS)}, not {name!r}")
+        raise EyasError(f"--engine must be one of {', '.join(GENERATORS)}, not {name!r}")
     if name == "auto":
         return "static" if device.type == "cuda" else "generate"
     return name
@@ -80,7 +80,7 @@ def generator_target(name: str, model: Any, tokenizer: Any, dtype: str = "auto",
     loads it itself), else the causal LM with its tokenizer, loaded here when `model` names it."""
     if name == "vllm":
         if not isinstance(model, str):
-            raise EyasError("--generator vllm loads the target itself: pass its folder or hub id, not a loaded model")
+            raise EyasError("--engine vllm loads the target itself: pass its folder or hub id, not a loaded model")
         return model, None
     if isinstance(model, str):
         return load_generator(model, dtype, device, trust_remote_code)

@@ -26,9 +26,9 @@ class ContinuousGenerator:
         from transformers import GenerationConfig
 
         if not hasattr(self.model, "continuous_batching_context_manager"):
-            raise EyasError("--generator continuous needs transformers' continuous batching "
+            raise EyasError("--engine continuous needs transformers' continuous batching "
                             "(model.continuous_batching_context_manager, transformers >= 5); "
-                            "upgrade transformers or use --generator generate")
+                            "upgrade transformers or use --engine generate")
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -59,14 +59,14 @@ class _ManagerRequests:
         if self.mgr.add_request(prompt, request_id=key, max_new_tokens=self.max_new_tokens,
                                 eos_token_id=self.eos) is None:
             raise EyasError("transformers' continuous batching refused a request (its worker stopped: see the "
-                            "log above); use --generator generate")
+                            "log above); use --engine generate")
 
     def poll(self) -> list[tuple[str, list[int]]]:
         res = self.mgr.get_result(timeout=1)
         if res is None:
             if not self.mgr.is_running():
                 raise EyasError("transformers' continuous batching stopped unexpectedly (see its log "
-                                "above); rerun to resume, or use --generator generate")
+                                "above); rerun to resume, or use --engine generate")
             return []
         if not res.is_finished():
             return []

@@ -46,7 +46,7 @@ def run_vllm(model: str, sampling: Sampling, max_length: int, tp: int, dtype: st
 
     from eyas.engines.vllm.runtime import import_vllm, llm_kwargs, run_llm
 
-    import_vllm("--generator vllm", "use --generator generate")
+    import_vllm("--engine vllm", "use --engine generate")
     tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     try:
         eos = GenerationConfig.from_pretrained(model).eos_token_id
