@@ -22,16 +22,19 @@ from eyas.utils.io import EyasError
 
 class BlockProposer(DraftProposer):
     draft: DFlashDraft
+    proposals_per_block = -1  # a block of B proposes B - 1 tokens (the anchor's slot proposes none)
 
     def check(self, method: Any) -> None:
         """Refuse what a block drafter cannot do before anything runs."""
+        family = self.draft.config.family
         if not isinstance(method, ChainSpec):
-            raise EyasError(f"{method.name}: trees are drafted by EAGLE-3 drafts only; a dflash draft proposes a "
+            raise EyasError(f"{method.name}: trees are drafted by EAGLE-3 drafts only; a {family} draft proposes a "
                             "chain per block: measure it with --chain (and --tree none)")
         B = self.draft.config.block_size
-        if method.k > B - 1:
-            raise EyasError(f"{method.name}: this dflash draft was trained for blocks of {B} (the anchor + {B - 1} "
-                            f"proposals): use chain lengths up to {B - 1}")
+        most = B + self.proposals_per_block
+        if method.k > most:
+            raise EyasError(f"{method.name}: this {family} draft was trained for blocks of {B} ({most} proposals "
+                            f"each): use chain lengths up to {most}")
 
     def forwards(self, method: Any) -> int:
         """Draft forwards per verify step: one, whatever K."""
@@ -43,18 +46,25 @@ class BlockProposer(DraftProposer):
         """pending_tokens [m] (the newest last: the anchor), pending_aux [m, k*H] (the target's states at
         the m positions before the anchor not yet in the context) -> target ids [K] and (sampling) the
         draft's q [K, V] they were drawn from (each slot independently: lossless all the same)."""
+        logits = self.draft.logits(self.block_outputs(cache, pending_tokens, pending_aux, k + 1))[1:].float()
+        return self._propose_all(logits, temperature, top_p, generator)  # [K, V_d] -> K proposals
+
+    def block_outputs(self, cache: KVCache, pending_tokens: torch.Tensor, pending_aux: torch.Tensor, size: int
+                      ) -> torch.Tensor:
+        """The pending entries join the context; the block [anchor, MASK x (size-1)] at positions L .. L+size-1
+        attends to the whole context and itself -> its outputs [size, H]; the block's keys are dropped."""
         draft, dev = self.draft, self.device
         start, m = cache.length, pending_aux.shape[0]
         L = start + m  # the anchor's position
         context = draft.context(pending_aux[None])  # [1, m, H]
-        block = draft.block_embeds(draft.embed_tokens(pending_tokens[-1:]), k + 1)  # [1, K+1, H]
-        cache.mask = torch.ones(1, 1, k + 1, L + k + 1, dtype=torch.bool, device=dev)  # the context and the block
-        out = draft(block, torch.arange(L, L + k + 1, device=dev)[None], context,
-                    torch.arange(start, L, device=dev)[None], cache)  # [1, K+1, H]
+        block = draft.block_embeds(draft.embed_tokens(pending_tokens[-1:]), size)  # [1, size, H]
+        cache.mask = torch.ones(1, 1, size, L + size, dtype=torch.bool, device=dev)  # the context and the block
+        out = draft(block, torch.arange(L, L + size, device=dev)[None], context,
+                    torch.arange(start, L, device=dev)[None], cache)  # [1, size, H]
         cache.mask = None
         cache.crop(L)  # the context only
-        logits = draft.logits(out)[0, 1:].float()  # [K, V_d]
-        return self._propose_all(logits, temperature, top_p, generator)
+        return out[0]
 
     def tree(self, *args: Any) -> Any:
-        raise EyasError("trees are drafted by EAGLE-3 drafts only; a dflash draft proposes a chain per block")
+        raise EyasError(f"trees are drafted by EAGLE-3 drafts only; a {self.draft.config.family} draft proposes a "
+                        "chain per block")
