@@ -119,5 +119,5 @@ def test_regenerate_refuses_a_target_whose_logits_are_nan(tmp_path, smollm2_dir)
                            for q in ("Hi", "Name a color.")))
     with pytest.raises(PreflightError, match=r"\[final_head\] the target's own logits over its prompts are not finite"):
         run_regenerate(RegenerateOptions(inputs=[str(src)], out=tmp_path / "out.jsonl", max_new_tokens=3,
-                                         generator="generate"), model=tiny, tokenizer=tok)
+                                         engine="generate"), model=tiny, tokenizer=tok)
     assert not (tmp_path / "out.jsonl").exists()

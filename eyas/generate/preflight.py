@@ -3,7 +3,7 @@ next token at every step, by a plain transformers forward over prompt + reply (t
 
 A generator that runs the target wrongly (left padding or position ids, a KV-cache or kernel bug, a bad
 quantization or tensor-parallel setup) writes plausible-looking replies for hours; a few greedy tokens
-show it. The reference is the loaded model itself, or for `--generator vllm` a float32 CPU copy of a
+show it. The reference is the loaded model itself, or for `--engine vllm` a float32 CPU copy of a
 small enough target (`eyas.engines.preflight.load_reference_copy`). "static" checks its own prefill and
 decode logits against a plain forward when it starts; "continuous" has no one-call greedy path here.
 """
