@@ -3,24 +3,32 @@
     result = evaluate_draft(model, tokenizer, draft, mtbench_set(), chain=[3, 5, 7], tree=[TreeSpec(60, 7, 10)])
     result.overall()["chain-3"].tau
 
-Per prompt (and per turn) the target alone runs first; its answer is the reference for the greedy
-identity check and the answer that the next turn of the conversation is asked after. Then each
-method runs on the same prompt, so all see the same machine state and the speedups are fair.
+Turn by turn, the target alone decodes every prompt first; its answer is the reference for the greedy
+identity check and the answer that the next turn of the conversation is asked after. Then each method
+decodes the same prompts. Greedy decoding goes through eyas.eval.batch_decode (static caches, CUDA
+graphs on a GPU), at each of `batch_sizes` in turn: the target alone and every method at that batch
+size, one after the other, so the speedups at each size are measured side by side (`EvalResult.serving`).
+The metrics per method and the records come from the first batch size. Sampling decodes one prompt at a
+time (eyas.eval.spec_decode).
 """
 
 from __future__ import annotations
 
 import platform
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from eyas.eval.batch_decode import BatchDecoder
+from eyas.eval.batch_propose import BATCH_PROPOSERS, make_batch_proposer
 from eyas.eval.metrics import BASELINE, MethodStats, record_of
 from eyas.eval.prompts import PromptItem, PromptSet, render_prompt
 from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
+from eyas.eval.serving import ServingRun, serving_rows
 from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget, stop_token_ids
 from eyas.model.config import target_config_sha256
@@ -108,6 +116,10 @@ def _as_sets(prompts: PromptSet | Sequence[PromptSet] | Sequence[str] | Sequence
     return [PromptSet("prompts", [PromptItem(str(i), token_ids=list(p)) for i, p in enumerate(prompts)])]
 
 
+def _turns(item: PromptItem) -> int:
+    return 1 if item.token_ids is not None else len(item.turns)
+
+
 def _max_positions(model: torch.nn.Module) -> int:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return int(getattr(cfg, "max_position_embeddings", 1 << 30) or 1 << 30)
@@ -131,6 +143,7 @@ def evaluate_draft(
     on_record: Callable[[dict[str, Any]], None] | None = None,
     done: dict[tuple, dict[str, Any]] | None = None,
     stop_ids: set[int] | None = None,
+    batch_sizes: Sequence[int] = (1,),
 ) -> EvalResult:
     """Speculative decoding of every prompt with each method (chains of K, trees), and the target alone.
 
@@ -139,6 +152,7 @@ def evaluate_draft(
     done / on_record: resume support; `done` maps (set, item, turn, method) to stored records.
     stop_ids: end-of-sequence ids; None takes them from the tokenizer and the model's configs, an empty
     set always generates max_new_tokens (like vLLM's ignore_eos).
+    batch_sizes: prompts decoded together (greedy only above 1); the first gives the metrics and records.
     """
     check_draft_fits(draft, target_model)
     device = next(target_model.parameters()).device
@@ -146,6 +160,12 @@ def evaluate_draft(
         draft.to(device)
     methods = _methods(chain, tree)
     sets = _as_sets(prompts)
+    batch_sizes = list(batch_sizes) or [1]
+    if min(batch_sizes) < 1:
+        raise EyasError(f"batch sizes {batch_sizes} must be >= 1")
+    if temperature > 0 and batch_sizes != [1]:
+        raise EyasError(f"--batch-size {','.join(map(str, batch_sizes))}: batches decode greedily; sampling "
+                        "(--temperature > 0) decodes one prompt at a time: use --batch-size 1")
     target = HFTarget(target_model, list(draft.config.aux_layer_ids))
     stops = stop_token_ids(target_model, tokenizer) if stop_ids is None else set(stop_ids)
     decoder = SpeculativeDecoder(target, draft, stops)
@@ -154,11 +174,13 @@ def evaluate_draft(
     result = EvalResult(meta=_meta(target_model, draft, target, decoder, methods, temperature, top_p, max_new_tokens,
                                    seed),
                         methods=[m.name for m in methods])
+    result.meta["batch_sizes"] = batch_sizes
     limit = _max_positions(target_model) - max_new_tokens - max([m.max_accept if isinstance(m, ChainSpec) else m.total
                                                                  for m in methods] + [0]) - 2
     run = _Evaluation(target, decoder, tokenizer, methods, result, temperature, top_p, stops, max_new_tokens,
-                      baseline, seed, limit, done or {}, on_record)
+                      baseline, seed, limit, done or {}, on_record, batch_sizes)
     try:
+        run.static = temperature <= 0 and _static_caches_work(target_model, draft, sets, tokenizer, batch_sizes)
         if (target.device.type == "cuda") if warmup is None else warmup:
             run.warm_up(sets)
         total = sum(s.num_turns for s in sets) * (len(methods) + int(baseline))
@@ -167,9 +189,37 @@ def evaluate_draft(
             for pset in sets:
                 run.prompt_set(pset)
         result.meta["skipped_too_long"] = run.skipped
+        result.serving = run.serving_table()
     finally:
         target.close()
     return result
+
+
+def _static_caches_work(target_model: torch.nn.Module, draft: DraftModel, sets: list[PromptSet], tokenizer: Any,
+                        batch_sizes: list[int]) -> bool:
+    """Whether the draft's family drafts in batches and the target decodes right over static caches
+    (GraphDecoder.check_model); batches need both."""
+    from eyas.generate.graph_decode import GraphDecoder
+
+    family = draft.config.family
+    if family not in BATCH_PROPOSERS:
+        if batch_sizes != [1]:
+            raise EyasError(f"--batch-size {','.join(map(str, batch_sizes))}: a {family} draft decodes one prompt at "
+                            f"a time (batched drafting covers {', '.join(BATCH_PROPOSERS)}): use --batch-size 1")
+        return False
+
+    first = next((it for s in sets for it in s.items), None)
+    ids = (first.token_ids or render_prompt(tokenizer, [{"role": "user", "content": first.turns[0]}])
+           if first is not None else [0, 1])
+    ids = list(ids)[-64:]
+    try:
+        GraphDecoder(target_model, len(ids) + 8, 1, [], 0, lanes=[(len(ids) + 8, 2)]).check_model(ids)
+    except EyasError as e:
+        if batch_sizes != [1]:
+            raise EyasError(f"--batch-size above 1 needs static KV caches, which this target refuses: {e}") from e
+        warnings.warn(f"decoding eagerly, one prompt at a time: {e}", stacklevel=3)
+        return False
+    return True
 
 
 def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, decoder: SpeculativeDecoder,
@@ -206,17 +256,22 @@ class _Evaluation:
     limit: int  # the longest prompt that leaves room for max_new_tokens and the longest speculation
     done: dict[tuple, dict[str, Any]]
     on_record: Callable[[dict[str, Any]], None] | None
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    static: bool = False  # greedy over static caches (eyas.eval.batch_decode), else one prompt at a time
     bar: Any = None
     task: Any = None
     skipped: int = 0  # turns (and the later turns of their prompt) too long for the target
     tokens: int = 0  # new tokens generated in this call (resumed records excluded), for the progress bar
+    batch_decoders: dict[tuple[str, int], BatchDecoder] = field(default_factory=dict)
+    # (batch size, method name) -> [new tokens, seconds, target forwards, compared, identical]
+    served: dict[tuple[int, str], list[float]] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
     def generate(self, method: Method | None, ids: list[int], gen_seed: int, n_new: int) -> Generation:
-        """One generation with a method, or with the target alone (method None)."""
+        """One generation with a method, or with the target alone (method None), one prompt at a time."""
         g = torch.Generator(device=self.target.device).manual_seed(gen_seed) if not self.greedy else None
         if method is None:
             return target_generate(self.target, ids, n_new, self.temperature, self.top_p, self.stops, g)
@@ -233,59 +288,128 @@ class _Evaluation:
             self.generate(m, ids[:self.limit], self.seed, min(16, self.max_new_tokens))
 
     def prompt_set(self, pset: PromptSet) -> None:
+        """Turn by turn: every conversation's turn is decoded (by the target, then each method) before the
+        next turn, which is asked after the target's answers."""
         stats = {BASELINE: MethodStats(BASELINE, 0)} if self.baseline else {}
         stats.update({m.name: MethodStats(m.name, m.max_accept) for m in self.methods})
         self.result.sets[pset.name] = stats
-        for item_idx, item in enumerate(pset.items):
-            self.prompt(pset.name, stats, item_idx, item)
+        talks = {i: [{"role": "system", "content": it.system}] if it.system else [] for i, it in enumerate(pset.items)}
+        for turn_idx in range(max((_turns(it) for it in pset.items), default=0)):
+            jobs = []
+            for i in list(talks):
+                item = pset.items[i]
+                if turn_idx >= _turns(item):
+                    del talks[i]
+                    continue
+                if item.token_ids is not None:
+                    ids = list(item.token_ids)
+                else:
+                    talks[i].append({"role": "user", "content": item.turns[turn_idx]})
+                    ids = render_prompt(self.tokenizer, talks[i])
+                if len(ids) > self.limit:  # later turns would be longer still
+                    self.skipped += 1
+                    self.bar.advance(self.task, (len(self.methods) + int(self.baseline)) * (_turns(item) - turn_idx))
+                    del talks[i]
+                    continue
+                jobs.append((i, item, ids))
+            answers = self.turn(pset.name, stats, turn_idx, jobs)
+            for i, _, _ in jobs:
+                talks[i].append({"role": "assistant", "content": answers.get(i) or ""})
 
-    def prompt(self, set_name: str, stats: dict[str, MethodStats], item_idx: int, item: PromptItem) -> None:
-        """Every turn of one prompt, each asked after the target's answer to the turn before."""
-        messages = [{"role": "system", "content": item.system}] if item.system else []
-        turns = [None] if item.token_ids is not None else item.turns
-        for turn_idx, turn in enumerate(turns):
-            if item.token_ids is not None:
-                ids = list(item.token_ids)
-            else:
-                messages.append({"role": "user", "content": turn})
-                ids = render_prompt(self.tokenizer, messages)
-            if len(ids) > self.limit:
-                self.skipped += 1
-                self.bar.advance(self.task, len(self.methods) + int(self.baseline))
-                break  # later turns would be longer still
-            answer = self.turn(set_name, stats, item_idx, item.id, turn_idx, ids)
-            messages.append({"role": "assistant", "content": answer or ""})
+    def turn(self, set_name: str, stats: dict[str, MethodStats], turn_idx: int,
+             jobs: list[tuple[int, PromptItem, list[int]]]) -> dict[int, str | None]:
+        """The target alone, then each method, on one turn of every job (item index, item, prompt ids), at
+        each batch size; returns the target's answer text per item index."""
+        answers: dict[int, str | None] = {i: None for i, _, _ in jobs}
+        for b_idx, batch in enumerate(self.batch_sizes):
+            reference: dict[int, list[int] | None] = {}
+            for m_idx, m in enumerate([None, *self.methods] if self.baseline else self.methods):
+                name = m.name if m is not None else BASELINE
+                stored = {i: self.done[(set_name, item.id, turn_idx, name)] for i, item, _ in jobs
+                          if b_idx == 0 and (set_name, item.id, turn_idx, name) in self.done}
+                todo = [(i, item, ids) for i, item, ids in jobs if i not in stored]
+                gens = self.decode(m, batch, [ids for _, _, ids in todo],
+                                   [self.seed + 7919 * i + 104729 * turn_idx + m_idx for i, _, _ in todo])
+                for i, rec in stored.items():
+                    stats[name].add_record(rec)
+                    self.result.records.append(rec)
+                    self.bar.advance(self.task)
+                    if m is None:
+                        reference[i] = rec.get("answer_ids")
+                    answers[i] = answers[i] or rec.get("answer")
+                for (i, item, ids), gen in zip(todo, gens, strict=True):
+                    if m is None:
+                        reference[i] = gen.tokens
+                    ref = reference.get(i)
+                    same = gen.tokens == ref if self.greedy and m is not None and ref is not None else None
+                    self.serve(batch, name, gen, same)
+                    if b_idx == 0:
+                        rec = self.record(set_name, stats, item.id, turn_idx, m, ids, gen, same, answers[i] is None)
+                        answers[i] = answers[i] or rec.get("answer")
+        return answers
 
-    def turn(self, set_name: str, stats: dict[str, MethodStats], item_idx: int, item_id: str, turn_idx: int,
-             ids: list[int]) -> str | None:
-        """The target alone, then each method, on one turn's prompt; returns the target's answer text."""
-        gen_seed = self.seed + 7919 * item_idx + 104729 * turn_idx
-        reference: list[int] | None = None  # the target's tokens, which greedy methods must reproduce
-        answer: str | None = None
-        for m_idx, m in enumerate([None, *self.methods] if self.baseline else self.methods):
-            name = m.name if m is not None else BASELINE
-            key = (set_name, item_id, turn_idx, name)
-            if key in self.done:
-                rec = self.done[key]
-                stats[name].add_record(rec)
-                self.result.records.append(rec)
-                if reference is None and m is None:
-                    reference = rec.get("answer_ids")
-                self.bar.advance(self.task)
-            else:
-                gen = self.generate(m, ids, gen_seed + m_idx, self.max_new_tokens)
-                if reference is None and m is None:
-                    reference = gen.tokens
-                rec = self.record(set_name, stats, item_id, turn_idx, m, ids, gen, reference, answer is None)
-            if answer is None and rec.get("answer") is not None:
-                answer = rec["answer"]
-        return answer
+    def decode(self, m: Method | None, batch: int, prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
+        """Every prompt with method m (None: the target alone): batched over static caches, or one at a time.
+        A batch's wall time is shared among its answers by their new tokens."""
+        if not prompts:
+            return []
+        if not self.static:
+            return [self.generate(m, ids, s, self.max_new_tokens) for ids, s in zip(prompts, seeds, strict=True)]
+        dec = self.batch_decoder(m, batch, max(len(p) for p in prompts))
+        dev = self.target.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        gens = dec.run(prompts)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - t0
+        total = sum(g.new_tokens for g in gens) or 1
+        for g in gens:
+            g.seconds = seconds * g.new_tokens / total
+        return gens
+
+    def batch_decoder(self, m: Method | None, batch: int, longest: int) -> BatchDecoder:
+        """The decoder of (method, batch size), its graphs captured before it is timed; built again with
+        longer caches when a prompt outgrows them."""
+        key = (m.name if m is not None else BASELINE, batch)
+        need = longest + self.max_new_tokens + BatchDecoder.margin(m)
+        dec = self.batch_decoders.get(key)
+        if dec is None or dec.length < need:
+            self.batch_decoders.pop(key, None)
+            proposer = make_batch_proposer(self.decoder.draft) if m is not None else None
+            dec = BatchDecoder(self.target, proposer, m, batch, -(-need // 256) * 256, self.max_new_tokens,
+                               sorted(self.stops))
+            dec.prepare()
+            self.batch_decoders[key] = dec
+        return dec
+
+    def serve(self, batch: int, name: str, gen: Generation, identical: bool | None) -> None:
+        acc = self.served.setdefault((batch, name), [0, 0.0, 0, 0, 0])
+        acc[0] += gen.new_tokens
+        acc[1] += gen.seconds
+        acc[2] += gen.target_forwards
+        if identical is not None:
+            acc[3] += 1
+            acc[4] += int(identical)
+
+    def serving_table(self) -> list[dict[str, Any]]:
+        """The serving rows (eyas.eval.serving) of every batch size, generations resumed from records
+        excluded, each with the share of greedy answers identical to the target's at that batch size."""
+        rows = []
+        for batch in self.batch_sizes:
+            runs = [ServingRun(name, int(tokens), seconds, tokens / forwards if forwards else None)
+                    for (b, name), (tokens, seconds, forwards, _, _) in self.served.items() if b == batch]
+            for row in serving_rows(batch, runs):
+                compared, same = self.served[(batch, row["method"])][3:]
+                row["identical"] = same / compared if compared else None
+                rows.append(row)
+        return rows
 
     def record(self, set_name: str, stats: dict[str, MethodStats], item_id: str, turn_idx: int, m: Method | None,
-               ids: list[int], gen: Generation, reference: list[int] | None, with_answer: bool) -> dict[str, Any]:
+               ids: list[int], gen: Generation, identical: bool | None, with_answer: bool) -> dict[str, Any]:
         """Count a new generation, record it (with the answer text if `with_answer`) and show it on the bar."""
         name = m.name if m is not None else BASELINE
-        identical = (gen.tokens == reference) if (self.greedy and m is not None and reference is not None) else None
         stats[name].add(gen, identical)
         rec = record_of(set_name, item_id, turn_idx, name, gen, 0 if m is None else m.max_accept, identical, len(ids))
         if with_answer and self.tokenizer is not None:

@@ -95,7 +95,7 @@ def _register_attention() -> None:
 
 
 @contextlib.contextmanager
-def _attention_of(model: Any) -> Iterator[None]:
+def attention_of(model: Any) -> Iterator[None]:
     """The model attends with `grouped_attention` inside the block, with its own function after it."""
     _register_attention()
     before = model.config._attn_implementation
@@ -118,7 +118,8 @@ class Lane:
     The lane is also the `past_key_values` the model writes through. In prefill (`prefill_rows` set) the
     prompt's keys go to slots 0..P-1 of those rows and attention sees the prompt alone; in decode the
     first `n` rows step (requests take the lowest free rows, so idle rows past them cost nothing), each
-    row's new key goes to slot `pos[row]` and attention reads the first `width` slots. All decode state
+    row's new key goes to slot `pos[row]` (or, with `write` [n, T] set, its T new keys to those slots:
+    a speculative decoder's verify forward) and attention reads the first `width` slots. All decode state
     lives in device tensors at fixed addresses, so a captured step reads no host value."""
 
     def __init__(self, num_layers: int, rows: int, length: int, max_new: int, stops: torch.Tensor,
@@ -128,6 +129,7 @@ class Lane:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.prefill_rows: torch.Tensor | None = None
+        self.write: torch.Tensor | None = None
         self.width, self.n = length, rows
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # last token of each row
         self.pos = torch.zeros(rows, 1, dtype=torch.long, device=device)  # its slot = its rotary position
@@ -138,8 +140,6 @@ class Lane:
         # host side: the request in each row and how far its row can have reached (prompt + steps run)
         self.keys: list[Hashable | None] = [None] * rows
         self.reach = [0] * rows
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (width, n)
-        self.warm: dict[tuple[int, int], int] = {}
 
     def free_rows(self) -> list[int]:
         return [r for r, k in enumerate(self.keys) if k is None]
@@ -162,7 +162,8 @@ class Lane:
             v[self.prefill_rows, :, :P] = value
             return key, value
         k, v = k[:self.n], v[:self.n]
-        at = self.pos[:self.n].view(-1, 1, 1, 1).expand(-1, key.shape[1], 1, key.shape[3])
+        slots = self.pos[:self.n] if self.write is None else self.write
+        at = slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
         k.scatter_(2, at, key)
         v.scatter_(2, at, value)
         return k[:, :, :self.width], v[:, :, :self.width]
@@ -218,8 +219,7 @@ class GraphDecoder:
         self.queue: list[tuple[int, int, Hashable, list[int]]] = []  # (rank, submission number, key, prompt)
         self.submitted = 0
         self.checked = False
-        self.pool: Any = None
-        self.side: torch.cuda.Stream | None = None
+        self.step_graphs = StepGraphs(self.device, self.graphs)
 
     @property
     def capacity(self) -> int:
@@ -258,7 +258,7 @@ class GraphDecoder:
         if not self.lanes:
             self.lanes = [Lane(self.config.num_hidden_layers, rows, n, self.max_new, self.stops, self.pad_id)
                           for n, rows in self.lane_shapes]
-        with _attention_of(self.model):
+        with attention_of(self.model):
             self._admit()
             live = [lane for lane in self.lanes if lane.busy()]
             if not live:
@@ -302,7 +302,7 @@ class GraphDecoder:
         seen: list[torch.Tensor] = []
         what = f"--engine static with {type(self.model).__name__} and transformers {transformers.__version__}"
         try:
-            with _attention_of(self.model):
+            with attention_of(self.model):
                 self._prefill(lane, [0, 1], rows, record=seen)
                 for _ in range(steps):
                     self._step(lane, record=seen)
@@ -408,17 +408,35 @@ class GraphDecoder:
                 lane.reach[r] = min(lane.length, lane.reach[r] + steps)
             step = functools.partial(self._step, lane)
             for _ in range(steps):
-                (self._graphed(lane, step) if self.graphs else step)()
+                self._graphed(lane, step)()
 
     def _graphed(self, lane: Lane, step: Any) -> Any:
-        """The step replayed as the lane's graph for its current width: two eager warm-up steps on a
-        side stream, then one capture (sharing one memory pool across graphs, which never overlap)."""
-        shape = (lane.width, lane.n)
-        graph = lane.graphs.get(shape)
+        """The step replayed as the lane's graph for its current width and rows."""
+        return self.step_graphs.get((id(lane), lane.width, lane.n), step)
+
+
+class StepGraphs:
+    """Steps captured once per shape as CUDA graphs and replayed: a step reads and writes device tensors
+    at fixed addresses only. A new shape gets two eager warm-up runs on a side stream, then one capture;
+    all graphs share one memory pool (they never run at the same time). `enabled` False, or a capture
+    that fails (an op that cannot be captured), runs every step eagerly."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device, self.enabled = device, enabled
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.warm: dict[Hashable, int] = {}
+        self.pool: Any = None
+        self.side: torch.cuda.Stream | None = None
+
+    def get(self, shape: Hashable, step: Any) -> Any:
+        """What runs `step` for `shape`: the graph's replay, a warm-up run, or `step` itself."""
+        if not self.enabled:
+            return step
+        graph = self.graphs.get(shape)
         if graph is not None:
             return graph.replay
-        if lane.warm.get(shape, 0) < 2:
-            lane.warm[shape] = lane.warm.get(shape, 0) + 1
+        if self.warm.get(shape, 0) < 2:
+            self.warm[shape] = self.warm.get(shape, 0) + 1
             self.side = self.side or torch.cuda.Stream(self.device)
             return lambda: run_on_stream(self.side, step)
         try:
@@ -426,9 +444,12 @@ class GraphDecoder:
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
                 step()
-        except RuntimeError as e:  # an op that cannot be captured: decode step by step
+        except RuntimeError as e:  # an op that cannot be captured: run step by step
             warnings.warn(f"CUDA graph capture failed ({str(e)[:160]}); decoding without graphs", stacklevel=2)
-            self.graphs = False
+            self.enabled = False
             return step
-        lane.graphs[shape] = graph
+        self.graphs[shape] = graph
         return graph.replay
+
+    def run(self, shape: Hashable, step: Any) -> None:
+        self.get(shape, step)()

@@ -418,3 +418,40 @@ class KVCache(_PerLayer):
                 rows, cols = torch.arange(past, past + T, device=q.device), torch.arange(S, device=q.device)
                 mask &= (rows[:, None] - cols[None, :]) < self.window
         return F.scaled_dot_product_attention(q, _expand_kv(self.k, nh), _expand_kv(self.v, nh), attn_mask=mask)
+
+
+class StaticKVCache(_PerLayer):
+    """A draft's key/value cache for batched decoding: `rows` sequences of `length` slots per layer,
+    preallocated, so a decoding step has fixed shapes and can be captured as a CUDA graph.
+
+    Before each forward the caller sets `slots` [B, T_k] (where each new key goes; a slot is the key's
+    rotary position, padding goes to the last slot, which no query attends to) and `mask` [B, 1, T_q,
+    length] (True = may attend). `row` set to an int runs the forward for that row alone (a prefill).
+    The settings given to this instance (layer 0) apply to every layer's cache (`layer(i)`)."""
+
+    def __init__(self, rows: int, length: int) -> None:
+        self.rows, self.length = rows, length
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self.row: int | None = None
+        self._parent: StaticKVCache | None = None
+        self._later: list[StaticKVCache] = []
+
+    def _spawn(self) -> StaticKVCache:
+        return StaticKVCache(self.rows, self.length)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        owner = self._parent or self
+        if self.k is None:
+            self.k = k.new_zeros(self.rows, k.shape[1], self.length, k.shape[3])
+            self.v = v.new_zeros(self.rows, v.shape[1], self.length, v.shape[3])
+        keys, values = self.k, self.v
+        if owner.row is not None:
+            keys, values = keys[owner.row:owner.row + 1], values[owner.row:owner.row + 1]
+        at = owner.slots[:, None, :, None]
+        keys.scatter_(2, at.expand(-1, k.shape[1], -1, k.shape[3]), k)
+        values.scatter_(2, at.expand(-1, v.shape[1], -1, v.shape[3]), v)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=owner.mask,
+                                              enable_gqa=keys.shape[1] != q.shape[1])

@@ -51,8 +51,8 @@ class EvalOptions:
                                     help="Requests decoded together, comma-separated: each batch size measures "
                                     "every method and the target alone on the same prompts, and several give the "
                                     "serving curve (tokens/s and speedup against batch size). engine vllm: "
-                                    "requests in flight in vLLM's scheduler; engine hf: 1 (it decodes one prompt "
-                                    "at a time).")
+                                    "requests in flight in vLLM's scheduler; engine hf: prompts decoded together "
+                                    "over static KV caches (greedy only above 1).")
     out: Path = option(Path("eval"), short="-o", help="Output folder for report.json, report.md and plots.")
     engine: Literal["hf", "vllm"] = option("hf", old_name="backend", help="What runs the target and decodes: hf "
                                            "(transformers in this process, chains and trees) or vllm (vLLM's own "
@@ -84,9 +84,9 @@ class EvalOptions:
         if not parse_chain(self.chain) and not parse_trees(self.tree):
             raise EyasError("nothing to measure: give --chain and/or --tree")
         self.batch_sizes = parse_batch_sizes(self.batch_sizes)
-        if self.engine == "hf" and self.batch_sizes != [1]:
-            raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf engine decodes one "
-                            "prompt at a time; measure batch sizes above 1 with --engine vllm")
+        if self.engine == "hf" and self.temperature > 0 and self.batch_sizes != [1]:
+            raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf engine decodes batches "
+                            "greedily and samples one prompt at a time: use --temperature 0 or --batch-size 1")
         family(self.family)  # an unknown family is refused here
         if self.tp < 1 or (self.tp > 1 and self.engine != "vllm"):
             raise EyasError(f"--tp {self.tp}: tensor parallelism is vLLM's (--engine vllm); the hf engine runs the "
@@ -247,7 +247,7 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
             result = evaluate_draft(target, tokenizer, draft_model, sets, chain=chains, tree=trees,
                                     temperature=opts.temperature, top_p=opts.top_p,
                                     max_new_tokens=opts.max_new_tokens, seed=opts.seed, baseline=opts.baseline,
-                                    on_record=partial.append, done=done)
+                                    on_record=partial.append, done=done, batch_sizes=opts.batch_sizes)
         from eyas.eval.serving import runs_of, serving_rows
 
         result.serving = result.serving or serving_rows(1, runs_of(result.overall()))
