@@ -1,4 +1,4 @@
-"""How fast `eyas eval --backend hf` decodes, against the card's own limits, each table from one run.
+"""How fast `eyas eval --engine hf` decodes, against the card's own limits, each table from one run.
 
 (a) the target alone at batch 1 (eyas.eval.batch_decode: static caches, each round a CUDA graph, prompts
     prefilled as they come) against a bare forward loop over a static cache, captured whole as one

@@ -143,7 +143,7 @@ def test_a_broken_cache_contract_is_caught_before_decoding(monkeypatch):
             self.pos -= 1
 
     monkeypatch.setattr(Lane, "update", misplaced)
-    with pytest.raises(EyasError, match="differ from a plain forward.*--generator generate"):
+    with pytest.raises(EyasError, match="differ from a plain forward.*--engine generate"):
         GraphDecoder(model, 40, 4, [STOP], pad_id=0).generate(PROMPTS)
     assert model.config._attn_implementation == "sdpa"
 
