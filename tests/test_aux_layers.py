@@ -68,8 +68,11 @@ def test_default_rule_gives_distinct_ids_or_a_clear_error():
 def test_one_check_refuses_duplicates_range_and_order():
     with pytest.raises(EyasError, match="read twice"):
         check_aux_layer_ids([1, 2, 2], 6)
-    with pytest.raises(EyasError, match=r"\[6\] out of range.*0\.\.5"):  # N itself is no decoder layer's input
-        check_aux_layer_ids([1, 6], 6)
+    assert check_aux_layer_ids([1, 6], 6) == [1, 6]  # N: the last layer's output, which vLLM collects too
+    with pytest.raises(EyasError, match=r"\[7\] out of range.*0\.\.6"):
+        check_aux_layer_ids([1, 7], 6)
+    with pytest.raises(EyasError, match=r"\[-1\] out of range"):
+        check_aux_layer_ids([-1, 2], 6)
     with pytest.raises(EyasError, match="layer order"):
         check_aux_layer_ids([3, 1], 6)
     with pytest.raises(EyasError, match="read twice"):  # a draft config for a target refuses them too

@@ -108,3 +108,26 @@ def test_cli_eval_batch_size_two_random_draft_float32_is_the_targets(smollm2_dir
     for m in ("chain-2", "tree-6:2:3"):
         assert data["results"]["all"][m]["identical_to_target"] == 1.0
     assert {r["batch_size"] for r in data["serving"]} == {2}
+
+
+@pytest.mark.parametrize("method", [ChainSpec(4), TreeSpec(12, 4, 3)])
+def test_a_windowed_draft_decodes_batched_as_it_does_alone(tiny, method):
+    """--draft-window: the batched decoder's masks apply the draft's sliding window as the one-prompt decoder's
+    KV cache does (the same accepted counts, row by row, at batch 1 and 3), and the window binds (without it the
+    draft is accepted otherwise)."""
+    from eyas.eval.spec_decode import SpeculativeDecoder
+
+    draft = tiny["eagle3"]
+    try:
+        counts = {}
+        for window in (3, 0):
+            draft.config.sliding_window = window
+            alone = SpeculativeDecoder(tiny["wrapped"], draft, {tiny["stop"]})
+            counts[window] = [alone.generate(p, method, 24).accepted for p in tiny["prompts"]]
+            for batch in (1, 3):
+                gens = _decode(tiny, "eagle3", method, batch)
+                assert [g.tokens for g in gens] == tiny["answers"], (window, batch)
+                assert [g.accepted for g in gens] == counts[window], (window, batch)
+        assert counts[3] != counts[0]
+    finally:
+        draft.config.sliding_window = 0

@@ -45,7 +45,7 @@ class BatchDecoder:
         self.stops = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=dev)
         M = 1 if method is None else method.max_accept + 1  # pending entries: the accepted tokens + the next
         self.lane = Lane(len(target.layers), rows, length, 1, self.stops, 0)
-        self.dcache = StaticKVCache(rows, length) if proposer is not None else None
+        self.dcache = StaticKVCache(rows, length, proposer.window) if proposer is not None else None
         k_h = len(target.aux_layer_ids) * target.hidden_size
         self.pending = Pending(torch.zeros(rows, M, dtype=torch.long, device=dev),
                                torch.zeros(rows, M, k_h, dtype=target.dtype, device=dev),

@@ -44,9 +44,13 @@ class Pending:
 
 
 def causal_by_position(cache: StaticKVCache, positions: torch.Tensor) -> torch.Tensor:
-    """positions [B, T] -> mask [B, 1, T, length]: each query sees the slots up to its own position."""
+    """positions [B, T] -> mask [B, 1, T, length]: each query sees the slots up to its own position (and, for a
+    sliding-window draft, only the last `window` of them)."""
     slots = torch.arange(cache.length, device=positions.device)
-    return (slots <= positions[..., None])[:, None]
+    seen = slots <= positions[..., None]
+    if cache.window:
+        seen &= slots > positions[..., None] - cache.window
+    return seen[:, None]
 
 
 class BatchProposer:
@@ -56,6 +60,7 @@ class BatchProposer:
         self.draft = draft
         self.dtype = draft.fc.weight.dtype
         self.d2t_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
+        self.window = int(getattr(draft.config, "sliding_window", 0) or 0)
 
     def forwards(self, method) -> int:
         return 1
@@ -127,7 +132,10 @@ class Eagle3Batch(BatchProposer):
             ancestors = torch.cat([ancestors, eye], dim=2)  # [B, k, d*k] over the tree entries, this step's last
             tree_slots = L[:, None] + torch.arange(d * k, device=dev)
             cache.slots = tree_slots[:, -k:]
-            cache.mask = prefix.scatter(2, tree_slots[:, None].expand(B, k, d * k), ancestors)[:, None]
+            seen = prefix
+            if cache.window:  # from position L - 1 + d, only the last `window` positions of the context
+                seen = prefix & (torch.arange(cache.length, device=dev) >= (L + d - cache.window)[:, None])[:, None]
+            cache.mask = seen.scatter(2, tree_slots[:, None].expand(B, k, d * k), ancestors)[:, None]
             out = self.draft(self.d2t_ids[frontier_tok], hidden, (L - 1 + d)[:, None].expand(B, k), cache)
             c_score, c_tok = torch.log_softmax(self.draft.logits(out).float(), dim=-1).topk(k, dim=-1)  # [B, k, k]
             c_score = (frontier_score[..., None] + c_score).flatten(1)

@@ -427,10 +427,12 @@ class StaticKVCache(_PerLayer):
     Before each forward the caller sets `slots` [B, T_k] (where each new key goes; a slot is the key's
     rotary position, padding goes to the last slot, which no query attends to) and `mask` [B, 1, T_q,
     length] (True = may attend). `row` set to an int runs the forward for that row alone (a prefill).
-    The settings given to this instance (layer 0) apply to every layer's cache (`layer(i)`)."""
+    The settings given to this instance (layer 0) apply to every layer's cache (`layer(i)`). `window` W > 0:
+    the draft attends through a sliding window, which the caller's masks apply (a query at position p sees
+    slots > p - W)."""
 
-    def __init__(self, rows: int, length: int) -> None:
-        self.rows, self.length = rows, length
+    def __init__(self, rows: int, length: int, window: int = 0) -> None:
+        self.rows, self.length, self.window = rows, length, window
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None
@@ -440,7 +442,7 @@ class StaticKVCache(_PerLayer):
         self._later: list[StaticKVCache] = []
 
     def _spawn(self) -> StaticKVCache:
-        return StaticKVCache(self.rows, self.length)
+        return StaticKVCache(self.rows, self.length, self.window)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         owner = self._parent or self

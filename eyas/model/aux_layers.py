@@ -1,7 +1,7 @@
 """Which target layers a draft reads (its aux layers), in one convention, with one check.
 
 eyas' aux id k is the INPUT of target decoder layer k: transformers' `hidden_states[k]` (0 is the
-embeddings, k = N would be the last layer's output, which no engine hands a draft). vLLM and
+embeddings, k = N the last layer's output before the final norm, which vLLM collects too). vLLM and
 speculators read ids the same way. Other fields count from the layer OUTPUT (id j = the output of
 decoder layer j = eyas' j + 1): SGLang adds 1 to the ids in `eagle_config`, and DFlash's
 `target_layer_ids` name outputs in both engines. A draft trained for one convention and served under
@@ -41,19 +41,20 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     if num_layers == 3:
         return [0, 1, 2]
     raise EyasError(f"a target of {num_layers} decoder layer(s) has no three distinct layers for the default aux "
-                    "layers: pass --aux-layers with the ids to read (0..N-1, the input of decoder layer k)")
+                    "layers: pass --aux-layers with the ids to read (0..N: the input of decoder layer k, N the last "
+                    "layer's output)")
 
 
 def check_aux_layer_ids(ids: list[int], num_layers: int, where: str = "aux layer ids") -> list[int]:
-    """The one check: every id a decoder layer's input (0..N-1), distinct, in layer order (the engines
-    hand a served draft its states in layer order, whatever the config's order)."""
+    """The one check: every id a decoder layer's input, or N for the last layer's output (0..N), distinct, in
+    layer order (the engines hand a served draft its states in layer order, whatever the config's order)."""
     ids = [int(i) for i in ids]
     if not ids:
         raise EyasError(f"{where}: no aux layer ids: a draft reads at least one target layer")
-    bad = [i for i in ids if not 0 <= i < num_layers]
+    bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
         raise EyasError(f"{where} {ids}: {bad} out of range for a target with {num_layers} decoder layers (valid: "
-                        f"0..{num_layers - 1}; id k is the input of decoder layer k)")
+                        f"0..{num_layers}; id k is the input of decoder layer k, {num_layers} the last layer's output)")
     if len(set(ids)) != len(ids):
         raise EyasError(f"{where} {ids}: a layer read twice gives the draft the same state twice and the engines "
                         "collect it once: give distinct ids")
