@@ -332,6 +332,7 @@ class _Evaluation:
                                    [self.seed + 7919 * i + 104729 * turn_idx + m_idx for i, _, _ in todo])
                 for i, rec in stored.items():
                     stats[name].add_record(rec)
+                    self.serve(batch, name, rec, rec.get("identical"))
                     self.result.records.append(rec)
                     self.bar.advance(self.task)
                     if m is None:
@@ -384,18 +385,24 @@ class _Evaluation:
             self.batch_decoders[key] = dec
         return dec
 
-    def serve(self, batch: int, name: str, gen: Generation, identical: bool | None) -> None:
+    def serve(self, batch: int, name: str, gen: Generation | dict[str, Any], identical: bool | None) -> None:
+        """Count a generation (or a resumed run's record of one) in the serving row of (batch, method)."""
         acc = self.served.setdefault((batch, name), [0, 0.0, 0, 0, 0])
-        acc[0] += gen.new_tokens
-        acc[1] += gen.seconds
-        acc[2] += gen.target_forwards
+        if isinstance(gen, dict):
+            acc[0] += gen["new_tokens"]
+            acc[1] += gen["seconds"]
+            acc[2] += gen["target_forwards"]
+        else:
+            acc[0] += gen.new_tokens
+            acc[1] += gen.seconds
+            acc[2] += gen.target_forwards
         if identical is not None:
             acc[3] += 1
             acc[4] += int(identical)
 
     def serving_table(self) -> list[dict[str, Any]]:
         """The serving rows (eyas.eval.serving) of every batch size, generations resumed from records
-        excluded, each with the share of greedy answers identical to the target's at that batch size."""
+        included, each with the share of greedy answers identical to the target's at that batch size."""
         rows = []
         for batch in self.batch_sizes:
             runs = [ServingRun(name, int(tokens), seconds, tokens / forwards if forwards else None)
