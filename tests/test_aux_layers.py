@@ -69,6 +69,8 @@ def test_one_check_refuses_duplicates_range_and_order():
     with pytest.raises(EyasError, match="read twice"):
         check_aux_layer_ids([1, 2, 2], 6)
     assert check_aux_layer_ids([1, 6], 6) == [1, 6]  # N: the last layer's output, which vLLM collects too
+    with pytest.raises(EyasError, match=r"\[6\] out of range.*0\.\.5"):  # the capture engines hook layer inputs
+        check_aux_layer_ids([1, 6], 6, captured=True)
     with pytest.raises(EyasError, match=r"\[7\] out of range.*0\.\.6"):
         check_aux_layer_ids([1, 7], 6)
     with pytest.raises(EyasError, match=r"\[-1\] out of range"):

@@ -151,7 +151,7 @@ class HFEngine(TargetEngine):
         out = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         self.vocab_size = int(out.weight.shape[0]) if out is not None else int(text_cfg.vocab_size)
         ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
-        self.aux_layer_ids = check_aux_layer_ids(ids, self.num_layers)
+        self.aux_layer_ids = check_aux_layer_ids(ids, self.num_layers, captured=True)
         embed = self.text_model.get_input_embeddings()
         self.device = embed.weight.device  # inputs go here, captures come back here
         pad = getattr(text_cfg, "pad_token_id", None)

@@ -45,16 +45,21 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
                     "layer's output)")
 
 
-def check_aux_layer_ids(ids: list[int], num_layers: int, where: str = "aux layer ids") -> list[int]:
+def check_aux_layer_ids(ids: list[int], num_layers: int, where: str = "aux layer ids", captured: bool = False
+                       ) -> list[int]:
     """The one check: every id a decoder layer's input, or N for the last layer's output (0..N), distinct, in
-    layer order (the engines hand a served draft its states in layer order, whatever the config's order)."""
+    layer order (the engines hand a served draft its states in layer order, whatever the config's order).
+    `captured`: ids the capture engines hook (extract, online training), which are layer inputs only (0..N-1;
+    the last layer's output is the store's `final_hidden`)."""
     ids = [int(i) for i in ids]
     if not ids:
         raise EyasError(f"{where}: no aux layer ids: a draft reads at least one target layer")
-    bad = [i for i in ids if not 0 <= i <= num_layers]
+    top = num_layers - 1 if captured else num_layers
+    bad = [i for i in ids if not 0 <= i <= top]
     if bad:
+        last = "" if captured else f", {num_layers} the last layer's output"
         raise EyasError(f"{where} {ids}: {bad} out of range for a target with {num_layers} decoder layers (valid: "
-                        f"0..{num_layers}; id k is the input of decoder layer k, {num_layers} the last layer's output)")
+                        f"0..{top}; id k is the input of decoder layer k{last})")
     if len(set(ids)) != len(ids):
         raise EyasError(f"{where} {ids}: a layer read twice gives the draft the same state twice and the engines "
                         "collect it once: give distinct ids")

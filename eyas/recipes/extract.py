@@ -104,7 +104,8 @@ def target_facts(model: str | Any, aux_layer_ids: list[int] | None, trust_remote
         config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = int(text.num_hidden_layers)
-    ids = check_aux_layer_ids(default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids, n)
+    ids = check_aux_layer_ids(default_aux_layer_ids(n) if aux_layer_ids is None else aux_layer_ids, n,
+                              captured=True)
     return {"config": config, "num_layers": n, "aux_layer_ids": ids, "hidden_size": int(text.hidden_size),
             "config_sha256": target_config_sha256(config)}
 

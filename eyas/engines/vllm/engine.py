@@ -85,7 +85,7 @@ class VllmEngine(TargetEngine):
         self.hidden_size = int(text["hidden_size"])
         self.vocab_size = int(text["vocab_size"])
         ids = default_aux_layer_ids(self.num_layers) if aux_layer_ids is None else list(aux_layer_ids)
-        self.aux_layer_ids = check_aux_layer_ids(ids, self.num_layers)
+        self.aux_layer_ids = check_aux_layer_ids(ids, self.num_layers, captured=True)
         if self.path == "native" and native_misses_layer0(cfg, self.aux_layer_ids):
             if capture_path == "native":
                 raise EyasError("vLLM's DeepSeek model cannot hand out layer 0 on the native path (its residual is "
