@@ -4,6 +4,7 @@ every layout's boundary without a silent shift by one."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,32 @@ def test_export_never_relabels_a_drafts_ids_unless_forced(tmp_path, target_dir):
         run_export(ExportOptions(out=tmp_path / "a", aux_layer_ids=[2, 3, 4], **opts), log=lambda m: None)
     same = run_export(ExportOptions(out=tmp_path / "b", aux_layer_ids=[1, 2, 4], **opts), log=lambda m: None)
     assert json.loads((same[0] / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    said = []
     forced = run_export(ExportOptions(out=tmp_path / "c", aux_layer_ids=[2, 3, 4], force_aux_layers=True, **opts),
-                        log=lambda m: None)
+                        log=said.append)
     assert json.loads((forced[0] / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert any(re.search(r"--force-aux-layers: relabelled the draft's aux layer ids \[1, 2, 4\] -> \[2, 3, 4\]", m)
+               for m in said), said
+
+
+@pytest.mark.parametrize(("ids", "why"), [([2, 2, 2], "read twice"), ([7, 8, 9], r"\[9\] out of range .*0\.\.8"),
+                                          ([-3, -2, -1], r"\[-3, -2, -1\] out of range")])
+def test_forced_ids_without_a_target_are_checked_against_the_drafts_target(tmp_path, target_dir, ids, why):
+    """Without --model, the layer count the draft recorded at training bounds --force-aux-layers' ids."""
+    make_draft(target_dir, [1, 2, 4]).save_pretrained(tmp_path / "draft")
+    with pytest.raises(EyasError, match=rf"draft: --aux-layers {re.escape(str(ids))}.*{why}"):
+        run_export(ExportOptions(draft=tmp_path / "draft", out=tmp_path / "x", aux_layer_ids=ids,
+                                 force_aux_layers=True), log=lambda m: None)
+    assert not (tmp_path / "x").exists()
+
+
+def test_sglang_export_of_a_draft_reading_the_last_layers_output_is_refused(tmp_path, target_dir):
+    """vLLM collects id N (the last layer's output); SGLang hooks decoder-layer inputs 0..N-1 only, so a config
+    naming N would serve the draft fewer states than it was trained on."""
+    make_draft(target_dir, [2, 4, LAYERS]).save_pretrained(tmp_path / "draft")
+    with pytest.raises(EyasError, match=rf"SGLang captures the inputs of decoder layers 0\.\.{LAYERS - 1} only.*"
+                                        rf"\[2, 4, {LAYERS}\]. Export --format vllm"):
+        run_export(ExportOptions(draft=tmp_path / "draft", out=tmp_path / "s", format="sglang"), log=lambda m: None)
+    assert not (tmp_path / "s").exists()
+    vllm = run_export(ExportOptions(draft=tmp_path / "draft", out=tmp_path / "v", format="vllm"), log=lambda m: None)
+    assert json.loads((vllm[0] / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, LAYERS]

@@ -132,6 +132,10 @@ def test_reading_some_of_the_layers(tmp_path):
         HiddenStore(out, [2, 3])
     with pytest.raises(EyasError, match=r"must be in layer order, got \[5, 2\].*write 2,5"):
         HiddenStore(out, [5, 2])
+    # id 8 = N, the last layer's output: the store's final state, never an aux layer extract captures, so the
+    # error names the range extract takes rather than advising `extract --aux-layers 2,8`
+    with pytest.raises(EyasError, match=r"--aux-layers for the store .* \[2, 8\]: \[8\] out of range .*valid: 0\.\.7"):
+        HiddenStore(out, [2, 8])
 
 
 def test_fp8_per_token_scales_halve_the_disk(tmp_path):

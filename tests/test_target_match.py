@@ -92,3 +92,47 @@ def test_a_tokenizer_that_spells_english_out_is_refused(tmp_path, smollm2_dir):
         _prepare(folder, tmp_path)
     (tmp_path / "intact").mkdir()
     assert _prepare(smollm2_dir, tmp_path / "intact").is_dir()  # the intact tokenizer passes
+
+
+def test_the_target_fingerprint_covers_every_field_that_changes_the_states():
+    """Three Kimi targets that differ only in an MLA rank or the rope dims: the 7-field fingerprint eyas
+    recorded before gave them one hash; the whole text config (less names, paths and dtypes) tells them apart."""
+    from _kimi import kimi_config, kimi_tokenizer
+
+    from eyas.model.config import legacy_target_config_sha256, target_config_sha256
+
+    tok = kimi_tokenizer()
+    targets = [kimi_config(tok), kimi_config(tok, kv_lora_rank=256),
+               kimi_config(tok, qk_rope_head_dim=32, qk_nope_head_dim=96)]
+    assert len({target_config_sha256(c) for c in targets}) == 3
+    assert len({legacy_target_config_sha256(c) for c in targets}) == 1
+    moved = kimi_config(tok)
+    moved._name_or_path, moved.architectures, moved.dtype = "/elsewhere/kimi", ["KimiK25ForConditionalGeneration"], \
+        "bfloat16"
+    assert target_config_sha256(moved) == target_config_sha256(targets[0])
+
+
+def test_a_draft_with_an_older_fingerprint_is_checked_in_that_form_with_a_warning(tmp_path):
+    """A draft saved before the whole-config fingerprint records the 7-field one: it is accepted on the target
+    it matches (saying what that form cannot check) and refused on one it does not; the full one is exact."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    from eyas.model.checkpoints import check_draft_target
+    from eyas.model.config import DraftConfig, legacy_target_config_sha256
+
+    def llama(**over):
+        return LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, vocab_size=300), **over})
+
+    target, other_rope, other_size = llama(), llama(rope_theta=1e6), llama(intermediate_size=256)
+    cfg = DraftConfig.from_target_config(target, [2, 4, 5], 120, target="tiny")
+    check_draft_target(cfg, target, "draft")
+    with pytest.raises(EyasError, match=r"draft: this draft does not fit .*target_config_sha256 .* != target's"):
+        check_draft_target(cfg, other_rope, "draft")
+    legacy = dataclasses.replace(cfg, target_config_sha256=legacy_target_config_sha256(target))
+    with pytest.warns(UserWarning, match=r"draft: its target fingerprint is the older 7-field form"):
+        check_draft_target(legacy, other_rope, "draft")  # a rope change that form cannot see
+    with pytest.raises(EyasError, match=r"target_config_sha256 .* != target's"):
+        check_draft_target(legacy, other_size, "draft")

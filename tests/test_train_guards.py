@@ -49,10 +49,38 @@ def _argmax_in_62_63(model):
     w[62, 0], w[63, 0] = 5.0, -5.0
 
 
-def test_a_nan_loss_stops_the_run_and_saves_no_draft(tmp_path):
-    store = _store(tmp_path, _nan_norm)
-    with pytest.raises(EyasError, match=r"training loss is nan at step 1: .*saves no draft"):
+def _nan_state(store):
+    """A NaN written into the first sample's final state (the writer refuses to store one; a bad disk or an
+    edit does not ask it)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    f = store / "shard-00000.safetensors"
+    with safe_open(str(f), "pt") as sf:
+        tensors, meta = {k: sf.get_tensor(k) for k in sf.keys()}, sf.metadata()  # noqa: SIM118
+    tensors["final_hidden"][0, 5] = float("nan")
+    save_file(tensors, str(f), metadata=meta)
+
+
+@pytest.mark.parametrize(("edit", "damage", "names"), [
+    (_nan_norm, None, r"target_head\.safetensors: the final norm's weight holds 1 NaN/inf"),
+    (lambda model: None, _nan_state, r"shard-00000\.safetensors: sample 0 holds NaN/inf states \(final_hidden: 1\)"),
+], ids=["nan-head", "nan-state"])
+def test_a_store_with_nan_values_is_refused_before_training_naming_its_file(tmp_path, edit, damage, names):
+    """A store extracted with --no-preflight from a damaged target: the head and a sample of states are checked
+    when training starts, so the error names the store's file, not the draft's weights or the learning rate."""
+    store = _store(tmp_path, edit)
+    if damage is not None:
+        damage(store)
+    with pytest.raises(EyasError, match=rf"the store .*store holds non-finite values.*{names}.*rerun `eyas extract`"):
         run_tiny_train(tmp_path / "run", store, max_steps=4)
+    assert not (tmp_path / "run" / "draft").exists() and not (tmp_path / "run" / "manifest.json").exists()
+
+
+def test_a_nan_loss_stops_the_run_and_saves_no_draft(tmp_path):
+    store = _store(tmp_path, lambda model: None)
+    with pytest.raises(EyasError, match=r"training loss is (nan|inf) at step \d+: .*saves no draft"):
+        run_tiny_train(tmp_path / "run", store, max_steps=4, lr=1e20)  # the weights overflow after a step
     assert not (tmp_path / "run" / "draft").exists() and not (tmp_path / "run" / "manifest.json").exists()
 
 

@@ -31,7 +31,7 @@ from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
 from eyas.eval.serving import ServingRun, serving_rows
 from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget, stop_token_ids
-from eyas.model.config import target_config_sha256
+from eyas.model.config import target_fingerprint_differs
 from eyas.model.draft import DraftModel
 from eyas.utils.io import EyasError
 from eyas.utils.progress import progress_bar
@@ -90,7 +90,7 @@ def check_draft_fits(draft: DraftModel, target_model: torch.nn.Module) -> None:
         problems.append(f"vocab {cfg.vocab_size} vs the target's {tcfg.vocab_size}")
     if cfg.target_hidden_size != tcfg.hidden_size:
         problems.append(f"target hidden size {cfg.target_hidden_size} vs {tcfg.hidden_size}")
-    if cfg.target_config_sha256 and cfg.target_config_sha256 != target_config_sha256(target_model.config):
+    if target_fingerprint_differs(cfg.target_config_sha256, target_model.config, "the draft"):
         problems.append("the target config fingerprint differs")
     if problems:
         raise EyasError(f"the draft (for target {cfg.target or '?'}) does not fit this target: " + "; ".join(problems)

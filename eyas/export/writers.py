@@ -61,6 +61,11 @@ def _check_exportable(cfg: DraftConfig, fmt: str, num_speculative_tokens: int) -
     if fmt == "sglang" and min(cfg.aux_layer_ids) < 1:
         raise EyasError(f"SGLang cannot capture the embeddings (layer id 0) as an aux layer: its ids are k - 1; "
                         f"this draft uses {cfg.aux_layer_ids}.")
+    n = cfg.target_num_layers
+    if fmt == "sglang" and n and max(cfg.aux_layer_ids) >= n:
+        raise EyasError(f"SGLang captures the inputs of decoder layers 0..{n - 1} only, not the last layer's output "
+                        f"(aux id {n}, which vLLM collects); this draft reads {cfg.aux_layer_ids}. Export --format "
+                        f"vllm, or train a draft whose aux ids are at most {n - 1}.")
     if fmt == "sglang" and cfg.num_hidden_layers != 1:
         raise EyasError(f"SGLang's EAGLE-3 draft has one decoder layer (`midlayer`); this draft has "
                         f"{cfg.num_hidden_layers}. Export --format vllm or speculators, which build the later layers.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +18,13 @@ import torch
 from safetensors import safe_open
 
 from eyas.model.aux_layers import check_aux_layer_ids, default_aux_layer_ids, stated_aux_layer_ids
-from eyas.model.config import DraftConfig, target_config_sha256, target_rope, text_config
+from eyas.model.config import (
+    DraftConfig,
+    target_config_sha256,
+    target_fingerprint_differs,
+    target_rope,
+    text_config,
+)
 from eyas.model.draft import DraftModel, check_state_dict
 from eyas.model.families import build_draft, draft_class
 from eyas.model.family_facts import FAMILIES, family_part
@@ -104,7 +110,8 @@ def _strip_model(name: str) -> str:
 
 
 def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_ids: list[int] | None = None,
-                 layout: str = "auto", force_aux_layer_ids: bool = False) -> DraftModel:
+                 layout: str = "auto", force_aux_layer_ids: bool = False,
+                 log: Callable[[str], None] | None = None) -> DraftModel:
     """Read a draft in any layout (EAGLE-3: eyas, vLLM, speculators, SGLang/SpecForge, EAGLE; DFlash: eyas,
     vLLM/SGLang, SpecForge; P-EAGLE: eyas, vLLM, speculators) as the model of its family.
 
@@ -113,7 +120,7 @@ def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_i
     do), and the layer count EAGLE's hard-coded aux layers derive from. `aux_layer_ids` (eyas'
     convention: input of decoder layer k, eyas.model.aux_layers) names the layers of a checkpoint that
     says none; one that disagrees with the checkpoint's own is refused unless `force_aux_layer_ids`
-    (relabeling a draft's layers serves it the wrong states).
+    (relabeling a draft's layers serves it the wrong states); a forced relabel is told to `log`.
     """
     path = Path(path)
     where = str(path)
@@ -134,11 +141,8 @@ def import_draft(path: str | Path, target: str | Path | None = None, aux_layer_i
         cfg = dataclasses.replace(cfg, **mla_fields(config, where))  # a DeepSeek (MLA) decoder layer
     if aux_layer_ids is not None:
         stated = cfg.aux_layer_ids if layout == "eyas" else stated_aux_layer_ids(config, layout, where)
-        if stated is not None and [int(i) for i in aux_layer_ids] != list(stated) and not force_aux_layer_ids:
-            raise EyasError(f"{where}: the draft was trained on aux layers {list(stated)}; --aux-layers "
-                            f"{list(aux_layer_ids)} would relabel them and serve it states of other layers. Drop "
-                            "--aux-layers, or add --force-aux-layers if the checkpoint's ids are wrong")
-        cfg.aux_layer_ids = [int(i) for i in aux_layer_ids]
+        cfg.aux_layer_ids = _given_aux_ids(cfg, stated, aux_layer_ids, force_aux_layer_ids, target_config, where,
+                                           log)
     if target_config is not None:
         check_draft_target(cfg, target_config, where, str(target))
     state = _normalize_names(tensors, where)
@@ -335,6 +339,27 @@ def _load_target_config(target: str | Path | Any) -> Any:
         raise EyasError(f"cannot read the target's config from {target}: {e}") from e
 
 
+def _given_aux_ids(cfg: DraftConfig, stated: list[int] | None, given: list[int], force: bool, target_config: Any,
+                   where: str, log: Callable[[str], None] | None) -> list[int]:
+    """--aux-layers for a draft: refused where it relabels the checkpoint's own ids unless forced (then the
+    change is logged), and checked against the target's layer count (the draft's recorded one without a
+    target; a target is needed where neither says it)."""
+    ids = [int(i) for i in given]
+    if stated is not None and ids != list(stated) and not force:
+        raise EyasError(f"{where}: the draft was trained on aux layers {list(stated)}; --aux-layers {ids} would "
+                        "relabel them and serve it states of other layers. Drop --aux-layers, or add "
+                        "--force-aux-layers if the checkpoint's ids are wrong")
+    layers = int(text_config(target_config).num_hidden_layers) if target_config is not None else cfg.target_num_layers
+    if not layers and force:
+        raise EyasError(f"{where}: the draft does not record its target's layer count, so --force-aux-layers {ids} "
+                        "cannot be checked: pass --model with the target")
+    check_aux_layer_ids(ids, layers or max(ids + [0]), f"{where}: --aux-layers")  # without a count: no upper bound
+    if stated is not None and ids != list(stated) and log is not None:
+        log(f"--force-aux-layers: relabelled the draft's aux layer ids {list(stated)} -> {ids} (input of decoder "
+            "layer k); the served draft reads those target layers")
+    return ids
+
+
 def check_draft_target(cfg: DraftConfig, target_config: Any, where: str, target_name: str = "") -> None:
     """Refuse a draft made for another target, naming what differs (the engines would only lose acceptance)."""
     c = text_config(target_config)
@@ -349,7 +374,7 @@ def check_draft_target(cfg: DraftConfig, target_config: Any, where: str, target_
     except EyasError as e:
         problems.append(str(e))
     sha = target_config_sha256(target_config)
-    if cfg.target_config_sha256 and cfg.target_config_sha256 != sha:
+    if target_fingerprint_differs(cfg.target_config_sha256, target_config, where):
         problems.append(f"target_config_sha256 {cfg.target_config_sha256[:12]}... != target's {sha[:12]}... "
                         f"(the draft was trained for {cfg.target or 'another target'})")
     if problems:

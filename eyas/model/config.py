@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -39,12 +40,50 @@ def target_rope(text_config: Any) -> tuple[float, dict | None]:
     return theta, dict(scaling) if scaling else None
 
 
+# config fields that do not change a target's hidden states: names, paths, dtypes, token ids, runtime switches
+_NOT_STATE_FIELDS = frozenset({
+    "name_or_path", "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype",
+    "tokenizer_class", "id2label", "label2id", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "use_cache", "return_dict", "output_hidden_states", "output_attentions",
+    "quantization_config", "torchscript", "problem_type", "chunk_size_feed_forward", "tie_encoder_decoder",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size", "prefix",
+    "task_specific_params", "finetuning_task", "pruned_heads", "tf_legacy_loss", "use_bfloat16",
+})
+_LEGACY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+                  "intermediate_size", "max_position_embeddings")
+
+
+def _text_fields(target_config: Any) -> dict[str, Any]:
+    """The text config of a transformers config as a dict, defaults filled in."""
+    return text_config(target_config).to_dict()
+
+
 def target_config_sha256(target_config: Any) -> str:
-    """Fingerprint of the target's shape-defining settings: a draft for another target is refused."""
-    c = text_config(target_config)
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
-            "intermediate_size", "max_position_embeddings")
-    return sha256_json({k: getattr(c, k, None) for k in keys})
+    """Fingerprint of every text-config field that changes the target's hidden states (all but names, paths,
+    dtypes, token ids and runtime switches): a draft or store made for another target is refused, down to
+    an MLA rank or a rope dim."""
+    fields = {k: v for k, v in _text_fields(target_config).items()
+              if not k.startswith("_") and k not in _NOT_STATE_FIELDS}
+    return sha256_json(fields)
+
+
+def legacy_target_config_sha256(target_config: Any) -> str:
+    """The fingerprint eyas recorded before `target_config_sha256` covered the whole config (7 fields)."""
+    c = _text_fields(target_config)
+    return sha256_json({k: c.get(k) for k in _LEGACY_FIELDS})
+
+
+def target_fingerprint_differs(recorded: str, target_config: Any, where: str) -> bool:
+    """Whether a recorded fingerprint names another target. An empty one is not checked; one in the older
+    7-field form is compared in that form, with a warning that it cannot tell targets apart beyond them."""
+    if not recorded or recorded == target_config_sha256(target_config):
+        return False
+    if recorded == legacy_target_config_sha256(target_config):
+        warnings.warn(f"{where}: its target fingerprint is the older 7-field form (model type, sizes, layers), which "
+                      "cannot tell apart targets that differ in other fields (MLA ranks, rope dims); re-export or "
+                      "re-extract it with this eyas to record the full one", stacklevel=2)
+        return False
+    return True
 
 
 def mla_dims(text_config: Any, opts: DraftOptions, rope_scaling: dict | None) -> dict[str, Any]:

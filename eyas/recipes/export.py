@@ -62,18 +62,18 @@ class ExportOptions:
                             f"{self.num_speculative_tokens}")
 
 
-def _read_draft(opts: ExportOptions) -> Any:
+def _read_draft(opts: ExportOptions, log: Any = print) -> Any:
     """DRAFT read (and checked against --model, resolved as every target is)."""
     target = resolve_model(opts.model) if opts.model else None
     return import_draft(opts.draft, target=target, aux_layer_ids=opts.aux_layer_ids, layout=opts.layout,
-                        force_aux_layer_ids=opts.force_aux_layers)
+                        force_aux_layer_ids=opts.force_aux_layers, log=log)
 
 
 def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
     """Export the draft in `opts.format` (or all) under `opts.out`; returns the folders written or reused."""
     draft, out = Path(opts.draft), Path(opts.out)
     formats = list(FORMATS) if opts.format == "all" else [opts.format]
-    model = _read_draft(opts)
+    model = _read_draft(opts, log)
     k = opts.num_speculative_tokens or family_writer(model.config).default_k(model.config)
     recorded = opts.verifier or getattr(model.config, "target", None)
     verifier = serving_name(str(recorded)) if recorded else None
@@ -110,7 +110,7 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
 
 def run_import(opts: ExportOptions, log: Any = print) -> Path:
     """Read a foreign EAGLE-3 checkpoint and write it to `opts.out` in eyas' own layout (contract 3)."""
-    model = _read_draft(opts)
+    model = _read_draft(opts, log)
     model.save_pretrained(opts.out)
     cfg = model.config
     log(f"imported {opts.draft} -> {opts.out}: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size}/"

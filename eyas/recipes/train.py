@@ -163,17 +163,19 @@ class TrainRecipe:
 
         o = self.opts
         if o.store is not None:
-            from eyas.model.config import target_config_sha256
+            from eyas.model.config import target_fingerprint_differs
             from eyas.store import HiddenStore
 
             st = HiddenStore(o.store, o.aux_layer_ids, verify=o.verify_store)
             m = st.manifest
             name = resolve_model(o.model) if o.model else m["target"]
             cfg = read_target_config(name, o.trust_remote_code)
-            if m.get("target_config_sha256") and target_config_sha256(cfg) != m["target_config_sha256"]:
+            if target_fingerprint_differs(m.get("target_config_sha256") or "", cfg, f"the store {o.store}"):
                 raise EyasError(f"the target config of '{name}' differs from the one the store {o.store} was "
                                 f"extracted with ({m['target']}): pass --model with that target")
-            return Source("store", Path(o.store), st.lengths, name, cfg, st.aux_layer_ids, st.target_head(),
+            head = st.target_head()
+            st.check_values(head)
+            return Source("store", Path(o.store), st.lengths, name, cfg, st.aux_layer_ids, head,
                           {"store": m.get("options_sha256"), "num_tokens": m["num_tokens"]})
         from eyas.data.prepared import PreparedDataset
         from eyas.train.online import open_online_target

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from eyas.engines.head import TargetHead
+from eyas.engines.preflight import check_head
 from eyas.store.format import FORMAT, dequantize_fp8
 from eyas.utils.io import EyasError, read_json, sha256_file
 from eyas.utils.tensorfile import Expected, check_tensor_file
@@ -48,7 +49,10 @@ class HiddenStore:
         if self.aux_layer_ids != stored:
             from eyas.model.aux_layers import check_aux_layer_ids
 
-            check_aux_layer_ids(self.aux_layer_ids, int(m["num_layers"]))
+            # a store holds captured layers only (inputs 0..N-1; the last layer's output is its final state), so
+            # any id the hint below names is one `eyas extract --aux-layers` takes
+            check_aux_layer_ids(self.aux_layer_ids, int(m["num_layers"]), f"--aux-layers for the store {self.path}",
+                                captured=True)
             missing = [i for i in self.aux_layer_ids if i not in stored]
             if missing:
                 raise EyasError(f"the store {self.path} holds aux layers {stored}, not {missing}: pick among those, "
@@ -122,6 +126,27 @@ class HiddenStore:
         m = self.manifest
         return TargetHead(t["embed_tokens.weight"], t["norm.weight"], t["lm_head.weight"], float(m["norm_eps"]),
                           float(m.get("norm_offset", 0.0)), float(m.get("embed_scale", 1.0)))
+
+    def check_values(self, head: TargetHead, samples: int = 4) -> None:
+        """The target head and a few samples' states spread over the store are finite (the head also not all
+        zeros). A store extracted with --no-preflight from a damaged target holds NaN, and training on it
+        fails at its first step as if the draft or the learning rate were at fault."""
+        problems = [f"target_head.safetensors: {f.message}" for f in check_head(head)]
+        bad = int((~torch.isfinite(head.embed_tokens.float())).sum())
+        if bad:
+            problems.append(f"target_head.safetensors: the embedding holds {bad} NaN/inf value(s)")
+        n = len(self)
+        for i in sorted({int(x) for x in np.linspace(0, n - 1, min(samples, n))}) if n else []:
+            s = self[i]
+            bad = {k: int((~torch.isfinite(s[k].float())).sum()) for k in ("aux_hidden", "final_hidden")}
+            if any(bad.values()):
+                j = int(np.searchsorted(self._first, i, side="right") - 1)
+                problems.append(f"{self.shards[j]['file']}: sample {i} holds NaN/inf states ("
+                                + ", ".join(f"{k}: {v}" for k, v in bad.items() if v) + ")")
+        if problems:
+            raise EyasError(f"the store {self.path} holds non-finite values, so every loss would be NaN: "
+                            + "; ".join(problems) + ". Its target is damaged (extraction with --no-preflight kept "
+                            "it); fix the target's weights and rerun `eyas extract` with its preflight on")
 
     def verify(self) -> int:
         """Recompute every shard's sha256 against the manifest; raise EyasError naming each bad shard.
