@@ -5,14 +5,17 @@ samples with images go through it with their images (hf engine; the vllm engine 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from _train_utils import VOCAB, make_target
 from safetensors.torch import load_file, save_file
 
-from eyas.engines.hf import HFEngine, MissingWeightsError
+from eyas.engines.hf import HFEngine
 from eyas.engines.preflight import PreflightError, preflight_engine, preflight_samples
+from eyas.engines.weights import MissingWeightsError
 from eyas.utils.io import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,6 +83,47 @@ def test_weights_the_checkpoint_lacks_are_named_unless_allowed(target, tmp_path,
         run_extract(ExtractOptions(prepared=tmp_path / "none", out=tmp_path / "store", model=str(folder),
                                    aux_layer_ids=[1, 3, 4], dtype="float32", device="cpu"), dataset=_Data(data))
     assert not (tmp_path / "store").exists()
+
+
+def _kimi_without(tmp_path, drop) -> Path:
+    """The tiny Kimi-K2.5 (real layout) with the tensors whose names `drop(name)` selects deleted."""
+    from _kimi import make_kimi
+
+    folder = make_kimi(tmp_path / "kimi")
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if not drop(k)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return folder
+
+
+def test_missing_weights_are_named_from_the_checkpoints_names_alone(target, tmp_path):
+    """The check an engine that loads weights itself (vLLM) runs first: checkpoint names renamed as
+    transformers renames them, against the model built on the meta device; tied and merged weights count."""
+    from eyas.engines.weights import missing_weights
+
+    assert missing_weights(target) == []
+    dropped = ["model.layers.2.mlp.up_proj.weight", "model.norm.weight"]
+    assert missing_weights(_edited(target, tmp_path / "t", lambda st: [st.pop(k) for k in dropped])) == sorted(
+        dropped, key=lambda k: k != dropped[0])
+    routed = re.compile(r"layers\.[1-3]\.mlp\.experts\.\d+\.")  # layer 0 is dense; shared experts stay
+    assert missing_weights(_kimi_without(tmp_path / "a", lambda k: False)) == []
+    assert missing_weights(_kimi_without(tmp_path / "b", routed.search)) == [
+        f"model.language_model.layers.{i}.mlp.experts.{w}" for i in (1, 2, 3)
+        for w in ("gate_up_proj", "down_proj")]
+    one = _kimi_without(tmp_path / "c", lambda k: ".layers.2.mlp.experts.3.down_proj" in k)
+    assert missing_weights(one) == ["model.language_model.layers.2.mlp.experts.down_proj (3 of 4 experts)"]
+
+
+def test_the_vllm_engine_names_missing_weights_before_vllm_starts(tmp_path):
+    """Without the check, vLLM ran the uninitialized experts and capture stopped at non-finite states,
+    blaming the capture path; the check needs no vLLM, so it runs here too."""
+    from eyas.engines.vllm import VllmEngine
+
+    folder = _kimi_without(tmp_path, re.compile(r"layers\.[1-3]\.mlp\.experts\.\d+\.").search)
+    with pytest.raises(MissingWeightsError, match=r"lacks 6 weight\(s\).*layers\.1\.mlp\.experts\.gate_up_proj, "
+                                                  r".*vLLM would run with them uninitialized.*"
+                                                  "--allow-missing-weights"):
+        VllmEngine(str(folder), aux_layer_ids=[1, 2, 3])
 
 
 class _Data(list):

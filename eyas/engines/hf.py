@@ -27,6 +27,7 @@ from eyas.engines.base import (
 )
 from eyas.engines.decoder import find_text_decoder
 from eyas.engines.head import TargetHead
+from eyas.engines.weights import check_loaded
 from eyas.model.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from eyas.model.config import text_config
 from eyas.utils.devices import resolve_device, resolve_dtype
@@ -37,15 +38,11 @@ class _StopForward(Exception):
     """Raised by the final-norm hook: everything after the last decoder layer is skipped."""
 
 
-class MissingWeightsError(EyasError):
-    """The checkpoint lacks weights the model has: transformers would fill them with random values."""
-
-
 def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, device_map: str | None = None,
                   attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                   allow_missing_weights: bool = False) -> nn.Module:
     """AutoModelForCausalLM, falling back to AutoModelForImageTextToText for vision-language wrappers.
-    Weights the checkpoint lacks are a MissingWeightsError naming them, unless `allow_missing_weights`."""
+    Weights the checkpoint lacks are a `MissingWeightsError` naming them, unless `allow_missing_weights`."""
     import transformers
 
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation,
@@ -63,7 +60,7 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, device_m
             with warnings.catch_warnings():  # "the model's quantization_config will be used": as meant
                 warnings.filterwarnings("ignore", message="You passed `quantization_config`")
                 loaded, info = cls.from_pretrained(model, **kwargs)
-            _check_loaded(model, info.get("missing_keys") or [], allow_missing_weights)
+            check_loaded(model, info.get("missing_keys") or [], allow_missing_weights)
             return _upcast_dequantized(loaded, dtype, quant is not None)
         except ValueError as e:
             if "Unrecognized configuration class" not in str(e):  # not "another AutoModel class": a real failure
@@ -76,17 +73,6 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, device_m
             raise EyasError(f"cannot load target '{model}': {e}. Give a local transformers folder or a hub id "
                             "that is in the local cache.") from e
     raise EyasError(f"transformers cannot load '{model}' as a causal LM: " + " | ".join(errors)[:800])
-
-
-def _check_loaded(model: str, missing: list[str] | set[str], allow: bool) -> None:
-    if missing and not allow:
-        names = sorted(missing)
-        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-        raise MissingWeightsError(
-            f"target '{model}' lacks {len(names)} weight(s) its model has: {', '.join(names[:8])}{more}. transformers "
-            "would fill them with random values, and every state and logit after them would be wrong. Check that "
-            "every shard is there (model.safetensors.index.json); to load it anyway, pass --allow-missing-weights to "
-            "`eyas extract` (online `eyas train`: --target-options '{\"allow_missing_weights\": true}')")
 
 
 def _read_config(model: str) -> dict:

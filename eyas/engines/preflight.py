@@ -150,7 +150,8 @@ def load_reference_copy(folder: str | Path, trust_remote_code: bool = False,
     if size > REFERENCE_MAX_BYTES:
         return None, (f"its weights ({human_bytes(size)}) are more than the {human_bytes(REFERENCE_MAX_BYTES)} a "
                       "CPU reference loads within the preflight's time")
-    from eyas.engines.hf import MissingWeightsError, load_hf_model
+    from eyas.engines.hf import load_hf_model
+    from eyas.engines.weights import MissingWeightsError
 
     try:
         return load_hf_model(str(d), torch.float32, torch.device("cpu"), trust_remote_code=trust_remote_code,

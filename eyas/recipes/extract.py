@@ -253,8 +253,8 @@ class ExtractOptions:
                                  "when vLLM cannot allocate its cache.")
     trust_remote_code: bool = option(False, help="Let transformers / vLLM run the model repository's code.")
     allow_missing_weights: bool = option(False, help="Load a target whose checkpoint lacks some of its model's weights "
-                                         "(transformers fills them with random values); without it that is an error "
-                                         "naming them.")
+                                         "(the hf engine fills them with random values, vLLM leaves them "
+                                         "uninitialized); without it that is an error naming them.")
     preflight: bool = option(True, help="First run a few samples alone and batched and check the states against a "
                              "plain transformers forward (aux ids, pre-norm final state, batch invariance, tensor-"
                              "parallel replies, NaN/inf); stop naming the fault. Costs seconds.")
@@ -376,9 +376,9 @@ def _load_engine(opts: ExtractOptions, aux_layer_ids: list[int]) -> TargetEngine
     from eyas.engines import load_engine
     from eyas.utils.devices import resolve_device
 
-    kw: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
+    kw: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code,
+                          "allow_missing_weights": opts.allow_missing_weights}
     if opts.engine == "hf":
-        kw["allow_missing_weights"] = opts.allow_missing_weights
         compiled = opts.compile
         if compiled is None:  # worth it where kernels are fast enough for the fusing to show: a GPU
             compiled = opts.device_map is None and resolve_device(opts.device).type == "cuda"

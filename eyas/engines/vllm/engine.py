@@ -33,6 +33,7 @@ from eyas.engines.vllm.probe import TESTED_VLLM_VERSION, probe_vllm, supports_ea
 from eyas.engines.vllm.runtime import cpu_shm_idents, default_tmp_root, explain_start_error, unlink_cpu_shm
 from eyas.engines.vllm.workarounds import apply_cpu_workarounds, native_misses_layer0
 from eyas.engines.vllm.worker_hooks import install_hooks, remove_hooks, take_records
+from eyas.engines.weights import check_loaded, missing_weights
 from eyas.model.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from eyas.utils.io import EyasError
 
@@ -46,8 +47,8 @@ class VllmEngine(TargetEngine):
 
     Extra options: `max_model_len` (longest sequence + 1; default min(4096, the model's)), `max_num_batched_tokens`
     (tokens per forward step; >= max_model_len), `max_num_seqs`, `kv_cache_memory_bytes` or
-    `gpu_memory_utilization`, `capture_path` ('auto' | 'native' | 'hooks'), `llm_kwargs` (any
-    other `vllm.LLM` argument).
+    `gpu_memory_utilization`, `capture_path` ('auto' | 'native' | 'hooks'), `allow_missing_weights`
+    (start even when the checkpoint lacks weights the model has), `llm_kwargs` (any other `vllm.LLM` argument).
     """
 
     name = "vllm"
@@ -67,16 +68,20 @@ class VllmEngine(TargetEngine):
         capture_path: str = "auto",
         seed: int = 0,
         trust_remote_code: bool = False,
+        allow_missing_weights: bool = False,
         llm_kwargs: dict[str, Any] | None = None,
         **hf_only: Any,
     ) -> None:
         unknown = sorted(set(hf_only) - _HF_ONLY_OPTIONS)
         if unknown:
             raise EyasError(f"unknown vllm engine option(s) {unknown}; pass other vllm.LLM arguments in llm_kwargs")
-        self.probe = probe_vllm(path=capture_path)
-        self.path = self.probe.path if capture_path == "auto" else capture_path
         self.model_dir = Path(resolve_model(model))
         cfg = self._read_config(self.model_dir)
+        # vLLM loads whatever tensors it finds and leaves the rest uninitialized: name what is missing first
+        check_loaded(str(self.model_dir), missing_weights(self.model_dir, trust_remote_code) or [],
+                     allow_missing_weights, fills="vLLM would run with them uninitialized")
+        self.probe = probe_vllm(path=capture_path)
+        self.path = self.probe.path if capture_path == "auto" else capture_path
         if capture_path == "auto" and self.path == "native" and supports_eagle3(cfg) is False:
             # vLLM hands aux states only to models with its EAGLE-3 interface (not Gemma, Phi-3, ...)
             self.path = "hooks" if not self.probe.missing_hooks else self.path
