@@ -353,12 +353,16 @@ def guard_args(b: BadInput, w: World, tmp: Path) -> list[str] | None:
             s(edited_target(w, tmp / "t", lambda st: st.pop("lm_head.weight"))), *extract],
         ("extract", "the final norm holds a NaN"): lambda: [
             "extract", "--prepared", s(w.prepared), "--model", s(edited_target(w, tmp / "t", nan_norm)), *extract],
+        ("extract", "--engine vllm: the checkpoint lacks a weight (checked before vLLM starts)"): lambda: [
+            "extract", "--prepared", s(w.prepared), "--model", s(edited_target(
+                w, tmp / "t", lambda st: st.pop("model.layers.3.mlp.down_proj.weight"))), *extract, "--engine", "vllm"],
         ("extract", "data prepared for another target"): lambda: [
             "extract", "--prepared", s(w.prepared), "--model", other_target(), *extract],
         ("extract", "another process writes the same --out"): hold_out,
         ("train", "the draft vocabulary misses every target token"): lambda: [
             "train", "--store", s(w.store), *train, "--draft-vocab-size", "1"],
-        ("train", "a NaN final norm in the store (NaN loss)"): lambda: ["train", "--store", nan_store(), *train],
+        ("train", "a NaN final norm in the store (extracted with --no-preflight)"): lambda: [
+            "train", "--store", nan_store(), *train],
         ("train", "--resume over a planted pickle in state.pt"): lambda: planted_resume(w, tmp, train),
         ("eval", "--backend vllm beside a Kimi config without media_placeholder_token_id"): lambda: [
             "eval", "--draft", "random", "--model", kimi(), "--prompts", s(w.chat), "--backend", "vllm",
@@ -441,6 +445,8 @@ def bad_input_args(b: BadInput, w: World, tmp: Path) -> list[str]:
             "train", "--store", s(damaged_copy(w.store, tmp / "store", shard, lambda b: b[:-5] + bytes(
                 [b[-5] ^ 0xFF]) + b[-4:])), *train, "--verify-store"],
         ("train", "--store is not a store"): lambda: ["train", "--store", s(tmp / "nope"), *train],
+        ("train", "--aux-layers N (the last layer's output) on a store"): lambda: [
+            "train", "--store", s(w.store), *train, "--aux-layers", "2,8"],
         ("train", "both --store and --prepared"): lambda: [
             "train", "--store", s(w.store), "--prepared", s(w.prepared), *train],
         ("export", "--draft is not a draft folder"): lambda: ["export", "--draft", s(empty), "--out", s(tmp / "x")],
@@ -449,6 +455,11 @@ def bad_input_args(b: BadInput, w: World, tmp: Path) -> list[str]:
             "--out", s(tmp / "x")],
         ("export", "--num-speculative-tokens -1"): lambda: [
             "export", "--draft", s(w.draft), "--out", s(tmp / "x"), "--num-speculative-tokens", "-1"],
+        ("export", "--force-aux-layers without --model, ids beyond the draft's target"): lambda: [
+            "export", "--draft", s(w.draft), "--out", s(tmp / "x"), "--aux-layers", "7,8,9", "--force-aux-layers"],
+        ("export", "--format sglang of a draft reading aux id N (the last layer's output)"): lambda: [
+            "export", "--draft", s(w.draft), "--out", s(tmp / "x"), "--format", "sglang", "--aux-layers", "2,4,8",
+            "--force-aux-layers"],
         ("eval", "--draft does not exist"): lambda: ["eval", "--draft", s(tmp / "nope"), *evaluate],
         ("eval", "--chain is not numbers"): lambda: ["eval", "--draft", s(w.draft), *evaluate, "--chain", "a,b"],
         ("eval", "--tree is malformed"): lambda: ["eval", "--draft", s(w.draft), *evaluate, "--tree", "5"],

@@ -248,9 +248,10 @@ class ExtractOptions:
     device_map: str | None = option(None, help="`auto` spreads a large target over this node's GPUs (hf engine).",
                                     show_default="none")
     shard_mb: float = option(512, help="Target shard size in MiB.")
-    kv_cache_gib: float = option(0, help="Memory for vLLM's KV cache in GiB (vllm engine); 0 = vLLM's default (on "
-                                 "a CPU: the VLLM_CPU_KVCACHE_SPACE environment variable, else 4 GiB). Lower it "
-                                 "when vLLM cannot allocate its cache.")
+    kv_cache_gib: float = option(0, help="Memory for vLLM's KV cache in GiB (vllm engine); 0 = on a GPU vLLM's "
+                                 "default share of its memory, on a CPU the VLLM_CPU_KVCACHE_SPACE environment "
+                                 "variable, else 4 GiB but at most a quarter of the free memory. Lower it when vLLM "
+                                 "cannot allocate its cache.")
     trust_remote_code: bool = option(False, help="Let transformers / vLLM run the model repository's code.")
     allow_missing_weights: bool = option(False, help="Load a target whose checkpoint lacks some of its model's weights "
                                          "(the hf engine fills them with random values, vLLM leaves them "

@@ -28,9 +28,10 @@ from eyas.data.media import SampleMedia
 from eyas.engines.base import Capture, TargetEngine
 from eyas.engines.head import TargetHead, read_target_head
 from eyas.engines.vllm.connector import CONNECTOR_MODULE, CONNECTOR_NAME, HANDOFF
+from eyas.engines.vllm.errors import explain_vllm_error
 from eyas.engines.vllm.images import image_prompt
 from eyas.engines.vllm.probe import TESTED_VLLM_VERSION, probe_vllm, supports_eagle3
-from eyas.engines.vllm.runtime import cpu_shm_idents, default_tmp_root, explain_start_error, unlink_cpu_shm
+from eyas.engines.vllm.runtime import cpu_shm_idents, default_tmp_root, fitting_kv_cache_bytes, unlink_cpu_shm
 from eyas.engines.vllm.workarounds import apply_cpu_workarounds, native_misses_layer0
 from eyas.engines.vllm.worker_hooks import install_hooks, remove_hooks, take_records
 from eyas.engines.weights import check_loaded, missing_weights
@@ -119,6 +120,8 @@ class VllmEngine(TargetEngine):
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         kwargs.update(llm_kwargs or {})
+        if not torch.cuda.is_available() and not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(kwargs):
+            kwargs["kv_cache_memory_bytes"] = fitting_kv_cache_bytes()  # vLLM-CPU's default share may not be free
         self._start(apply_cpu_workarounds(text, kwargs))
 
     def _llm_args(self, model: str, tp: int, max_num_batched_tokens: int | None, max_num_seqs: int, seed: int,
@@ -154,7 +157,7 @@ class VllmEngine(TargetEngine):
         except Exception as e:
             plain = _no_kernel_error(e, self.config, self.probe.version) if isinstance(
                 e, (NotImplementedError, ValueError)) else None
-            plain = plain or explain_start_error(e, str(self.model_dir))
+            plain = plain or explain_vllm_error(e, str(self.model_dir))
             if plain is None:
                 raise
             raise plain from e
@@ -224,7 +227,13 @@ class VllmEngine(TargetEngine):
         prompts = [TokensPrompt(prompt_token_ids=t) if m is None else
                    TokensPrompt(**image_prompt(t, m.images(), self.config)) for t, m in zip(token_lists, media,
                                                                                           strict=True)]
-        outs = self.llm.generate(prompts, self._sampling, use_tqdm=False)
+        try:
+            outs = self.llm.generate(prompts, self._sampling, use_tqdm=False)
+        except Exception as e:  # a kernel that refuses this target's shapes fails on the first step, not at start
+            plain = explain_vllm_error(e, str(self.model_dir))
+            if plain is None:
+                raise
+            raise plain from e
         if len(outs) != len(seqs):
             raise EyasError(f"vLLM returned {len(outs)} results for {len(seqs)} sequences")
         self.last_greedy = [o.outputs[0].token_ids[0] if o.outputs and o.outputs[0].token_ids else None for o in outs]

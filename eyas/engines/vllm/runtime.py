@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from eyas.engines.vllm.errors import explain_vllm_error
 from eyas.utils.io import EyasError
 
 
@@ -46,7 +47,7 @@ def run_llm(kwargs: dict[str, Any], work: Callable[[Any], None]) -> None:
     try:
         llm = vllm.LLM(**kwargs)
     except Exception as e:
-        plain = explain_start_error(e, str(kwargs.get("model", "the target")))
+        plain = explain_vllm_error(e, str(kwargs.get("model", "the target")))
         if plain is None:
             raise
         raise plain from e
@@ -63,25 +64,22 @@ def run_llm(kwargs: dict[str, Any], work: Callable[[Any], None]) -> None:
             pass
 
 
-def explain_start_error(e: BaseException, model: str) -> EyasError | None:
-    """What a known vLLM start-up failure means and what to do, as one error; None for any other."""
-    text = f"{type(e).__name__}: {e}"
-    if "preprocessor_config.json" in text:
-        return EyasError(f"vLLM cannot start '{model}': it has no preprocessor_config.json, which vLLM reads for a "
-                         "target with a vision tower (even for text). Copy the processor files (preprocessor_config"
-                         ".json, processor_config.json) from the original model folder next to its config.json")
-    if "torchvision" in text:
-        return EyasError(f"vLLM cannot start '{model}': its image processor needs torchvision, which is not installed "
-                         "in vLLM's Python environment. Install the torchvision build that matches its torch")
-    if "media_placeholder_token_id" in text:
-        return EyasError(f"vLLM cannot serve a draft beside '{model}': its config.json has no "
-                         "media_placeholder_token_id, which vLLM reads for a Kimi target's image placeholder. Add "
-                         '"media_placeholder_token_id": <the id of <|media_pad|> in its tokenizer> to it')
-    if "kv cache" in text.lower() and ("memory" in text.lower() or "VLLM_CPU_KVCACHE_SPACE" in text):
-        return EyasError(f"vLLM cannot allocate its KV cache for '{model}' ({str(e).strip().splitlines()[0][:200]}). "
-                         "Give it less: --kv-cache-gib N on `eyas extract`, or set VLLM_CPU_KVCACHE_SPACE (GiB) on a "
-                         "CPU; or free memory")
-    return None
+def fitting_kv_cache_bytes() -> int:
+    """A KV cache for vLLM on a CPU that this machine holds now: VLLM_CPU_KVCACHE_SPACE GiB where set, else 4
+    GiB but at most a quarter of the free memory. Without a fixed size vLLM-CPU reserves a share of all the
+    memory and refuses to start when less than that is free."""
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if env:
+        return int(float(env) * (1 << 30))
+    return max(256 << 20, min(4 << 30, available_memory() // 4))
+
+
+def available_memory() -> int:
+    """Bytes of memory free for a new process (MemAvailable; the total where /proc/meminfo is absent)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def cpu_shm_idents() -> set[str]:
