@@ -148,12 +148,12 @@ def kimi_config(tok, layers: int = 4, **text_over):
                           tie_word_embeddings=False)
 
 
-def build_kimi(tok, seed: int = 0, layers: int = 4):
+def build_kimi(tok, seed: int = 0, layers: int = 4, **text_over):
     """A random tiny Kimi-K2.5 (float32); router biases spread so a dropped correction bias would show."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    cfg = kimi_config(tok, layers)
+    cfg = kimi_config(tok, layers, **text_over)
     model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for layer in model.model.language_model.layers[cfg.text_config.first_k_dense_replace:]:
@@ -185,9 +185,9 @@ def save_kimi(model, tok, out: Path) -> Path:
     return out
 
 
-def make_kimi(out: Path, seed: int = 0) -> Path:
+def make_kimi(out: Path, seed: int = 0, **text_over) -> Path:
     tok = kimi_tokenizer()
-    return save_kimi(build_kimi(tok, seed), tok, out)
+    return save_kimi(build_kimi(tok, seed, **text_over), tok, out)
 
 
 # ---------------------------------------------------------------------------------------------- images

