@@ -59,29 +59,30 @@ def _meta_model(folder: Path, trust_remote_code: bool) -> Any:
 
     try:
         config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - a config only vLLM reads: nothing to check the names against
         return None
     for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
-        cls = getattr(transformers, auto, None)
         try:
             with torch.device("meta"):
-                return cls.from_config(config, trust_remote_code=trust_remote_code)
-        except (ValueError, KeyError, ImportError, TypeError, AttributeError):
+                return getattr(transformers, auto).from_config(config, trust_remote_code=trust_remote_code)
+        except Exception:  # noqa: BLE001 - not this auto class, or an architecture only vLLM implements
             continue
     return None
 
 
 def missing_weights(folder: str | Path, trust_remote_code: bool = False) -> list[str] | None:
-    """The model's parameters that no checkpoint tensor loads into (a merged expert tensor also counts as
-    missing when fewer experts than it holds are in the checkpoint); None where this cannot be told
-    from names: no safetensors, a quantized checkpoint, or a model transformers cannot build."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import MergeModulelist, WeightConverter, WeightRenaming, rename_source_key
-
+    """The model's parameters that no checkpoint tensor loads into (a merged expert tensor also counts when
+    the checkpoint holds fewer experts than it has); None where names cannot tell: no safetensors, a
+    quantized checkpoint (packed names only its quantizer's model has), or a model transformers cannot build."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import MergeModulelist, WeightConverter, WeightRenaming
+    except ImportError:  # a transformers without the loader's renaming rules
+        return None
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     if config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config"):
-        return None  # packed names (weight_packed, weight_scale) the quantizer's own model would need
+        return None
     names = checkpoint_tensor_names(folder)
     model = _meta_model(folder, trust_remote_code) if names else None
     if model is None:
@@ -91,6 +92,29 @@ def missing_weights(folder: str | Path, trust_remote_code: bool = False) -> list
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     want = model.state_dict()
+    loaded = _sources_per_parameter(names, model, want, renamings, converters, by_pattern)
+    missing = []
+    for key, param in want.items():
+        got = loaded.get(key)
+        if not got:
+            missing.append(key)
+            continue
+        conv = by_pattern.get(next(iter(got)) or "")
+        if conv is not None and any(isinstance(op, MergeModulelist) for op in conv.operations):
+            experts, held = int(param.shape[0]), min(got.get(p, 0) for p in conv.source_patterns)
+            if held < experts:
+                missing.append(f"{key} ({held} of {experts} experts)")
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+    return [m for m in missing if m not in tied and not any(r.search(m) for r in ignored)]
+
+
+def _sources_per_parameter(names: Iterable[str], model: Any, want: dict[str, Any], renamings: list, converters: list,
+                           by_pattern: dict[str, Any]) -> dict[str, dict[str | None, int]]:
+    """For each model parameter, how many checkpoint tensors load into it, per converter source pattern
+    (None: a plain rename), the checkpoint's names renamed as transformers' loader renames them."""
+    from transformers.core_model_loading import rename_source_key
+
     counts: dict[str, dict[str | None, int]] = {}
     for name in names:
         key, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, want)
@@ -104,18 +128,4 @@ def missing_weights(folder: str | Path, trust_remote_code: bool = False) -> list
             if t in want:
                 counts.setdefault(t, {}).setdefault(pattern, 0)
                 counts[t][pattern] += 1
-    missing = []
-    for key, param in want.items():
-        got = counts.get(key)
-        conv = by_pattern.get(next(iter(got))) if got and next(iter(got)) is not None else None
-        if got and conv is not None and any(isinstance(op, MergeModulelist) for op in conv.operations):
-            experts = int(param.shape[0])
-            short = {p: n for p, n in got.items() if n < experts}
-            if short or len(got) < len(conv.source_patterns):
-                missing.append(f"{key} ({min(got.values()) if len(got) == len(conv.source_patterns) else 0} of "
-                               f"{experts} experts)")
-        elif not got:
-            missing.append(key)
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
-    return [m for m in missing if m not in tied and not any(r.search(m) for r in ignored)]
+    return counts
