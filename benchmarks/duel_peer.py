@@ -70,15 +70,18 @@ def train(args: argparse.Namespace, started: float) -> dict:
         if peer.legacy:
             raise SystemExit(f"{args.peer_src}: a tree up to the v0.2.0 tag; the duel drives the current layout")
         inputs = PeerInputs([], head.lm_head.float(), d2t, t2d)
+        total = args.epochs * len(order)
         draft, core = peer.build_trainer(config, inputs, dev, TTT, attention, compact=False, fsdp=dev.type == "cuda",
-                                         total_steps=args.epochs * len(order), embedding=head.embed_tokens.float())
+                                         total_steps=total, embedding=head.embed_tokens.float())
         steps, loss = 0, float("nan")
-        while time.perf_counter() - started < args.budget_s and steps < args.epochs * len(order):
+        while steps < total:  # the budget is looked at after each step, as eyas' is: one step at least
             row = store[order[steps % len(order)]]
             row["final_hidden"] = head.norm(row["final_hidden"].float()).to(row["final_hidden"].dtype)
             with eager_on_cpu(dev):
                 loss = core.train_step(peer.batch(row, dtype, pin=dev.type == "cuda", max_len=MAX_LENGTH)).loss
             steps += 1
+            if time.perf_counter() - started >= args.budget_s:
+                break
         seconds = time.perf_counter() - started
         if not math.isfinite(loss):
             raise SystemExit(f"the peer's loss is {loss} after {steps} steps: no draft to evaluate")

@@ -231,3 +231,65 @@ def test_train_benchmark_without_a_peer_reports_mfu_first_step_and_a_profile():
     assert "Time to the first step: " in out
     profile = out[out.index("Profile: eyas tiny 256 eager, 3 steps"):]
     assert "aten::mm" in profile
+
+
+def tiny_chat_data(root: Path, tokenizer_dir: Path, store: bool = True) -> tuple[Path, Path]:
+    """(a tiny random chat target over SmolLM2's tokenizer, its prepared dummy chats); with `store`, also
+    root/store extracted from them: what the quality benchmarks start from, made in-process and in seconds."""
+    from _eval_utils import save_tiny_chat_target
+
+    from eyas.recipes.extract import ExtractOptions, run_extract
+    from eyas.recipes.prepare import PrepareOptions, run_prepare
+
+    target, prepared = root / "target", root / "prepared"
+    save_tiny_chat_target(target, AutoTokenizer.from_pretrained(tokenizer_dir))
+    run_prepare(PrepareOptions(inputs=["dummy"], model=str(target), out=prepared, max_length=256, max_samples=24,
+                               num_workers=1))
+    if store:
+        run_extract(ExtractOptions(prepared=prepared, out=root / "store", model=str(target), engine="hf",
+                                   dtype="float32", device="cpu", preflight=False))
+    return target, prepared
+
+
+def run_script(name: str, *args: str) -> str:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    return done.stdout
+
+
+def test_quality_duel_pairs_the_gain_over_one_per_seed_and_names_a_peer_that_accepted_nothing():
+    duel = load_script("quality_duel")
+    r = duel.gain_ratios([3.0, 2.5], [1.5, 1.25])  # tau - 1: 2.0 / 0.5 and 1.5 / 0.25
+    assert (r.median, r.low, r.high, r.draws) == (5.0, 4.0, 6.0, 2)
+    assert duel.gain_ratios([2.0, 2.0], [1.5, 1.0]) is None  # the second seed's peer draft accepted nothing
+
+
+@pytest.mark.skipif(peer_source() is None, reason="no SpecForge source: set EYAS_PEER_SRC or run scripts/test.sh")
+def test_quality_duel_trains_both_sides_for_the_budget_and_evaluates_the_peers_draft(tmp_path, smollm2_dir):
+    """`benchmarks/quality_duel.py` on CPU, tiny: eyas and SpecForge's own training (from its source) each for
+    the budget from one store, the peer's draft written in its layout and read by `eyas eval` with the
+    store's aux layers, and the table of both sides' tau."""
+    from safetensors import safe_open
+
+    from eyas.model.checkpoints import import_draft
+
+    target, _ = tiny_chat_data(tmp_path, smollm2_dir)
+    out = run_script("quality_duel", "--out", str(tmp_path), "--peer-src", str(peer_source()), "--model", str(target),
+                     "--budget-s", "2", "--goals", "2=3", "--seeds", "0", "--prompts", "dummy", "--max-prompts", "1",
+                     "--max-new-tokens", "8", "--tree", "6:3:2", "--draft-vocab", "256", "--eval-dtype", "float32")
+    peer = tmp_path / "B2" / "s0" / "peer"
+    run = json.loads((peer / "draft" / "peer_run.json").read_text())
+    assert run["version"] == "0.2.0" and (run["steps"] == 24 or run["seconds"] >= 2)  # its epoch's end or budget
+    with safe_open(str(peer / "draft" / "model.safetensors"), framework="pt") as f:
+        assert any(k.startswith("midlayer.") for k in f.keys())  # noqa: SIM118  SpecForge's own layout, not eyas'
+    draft = import_draft(peer / "draft", target)
+    assert draft.config.aux_layer_ids == json.loads((tmp_path / "store" / "manifest.json").read_text())["aux_layer_ids"]
+    report = json.loads((peer / "eval" / "report.json").read_text())
+    assert report["meta"]["draft"] == str(peer / "draft") and report["results"]["all"]["chain-7"]["tau"] >= 1
+    for side in ("eyas", "peer"):
+        assert f"  {side} B=2s seed 0: " in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 | ")]
+    assert [r.split("|")[2].strip() for r in rows] == ["chain-7", "tree-6:3:2"]
+    assert all(r.count("(1 run)") == 2 and "| >= 3x |" in r for r in rows), rows
