@@ -31,6 +31,7 @@ from eyas.assets import resolve_model
 
 LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 SOURCES = ("bf16", "int4")  # the target whose states train the draft, and the one that verifies
+CELLS = "bf16>bf16,bf16>int4,int4>bf16,int4>int4"  # STATES>VERIFIER
 
 
 def eyas(*args: str) -> None:
@@ -126,16 +127,20 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--tree", default="60:7:10")
     ap.add_argument("--eval-args", default="", help="more eyas eval options for every cell")
+    ap.add_argument("--cells", default=CELLS, help="STATES>VERIFIER pairs to measure (all four by default)")
     args = ap.parse_args()
+    cells_asked = [tuple(c.split(">")) for c in args.cells.split(",")]
+    if any(len(c) != 2 or not set(c) <= set(SOURCES) for c in cells_asked):
+        ap.error(f"--cells {args.cells}: STATES>VERIFIER pairs of {' and '.join(SOURCES)}, e.g. {CELLS}")
     bf16 = resolve_model(args.model)
     targets = {"bf16": bf16, "int4": str(quantize_w4a16(Path(bf16), args.out / "int4-target", args.group_size))}
-    eyas("prepare", args.data, "--model", bf16, "--out", str(args.out / "prepared"), "--max-samples",
-         str(args.samples), "--max-length", str(args.max_length))
+    if not (args.out / "prepared" / "manifest.json").is_file():
+        eyas("prepare", args.data, "--model", bf16, "--out", str(args.out / "prepared"), "--max-samples",
+             str(args.samples), "--max-length", str(args.max_length))
     cells = {}
-    for source in SOURCES:
+    for source, verifier in cells_asked:
         draft = train(args, source, targets[source])
-        for verifier in SOURCES:
-            cells[(source, verifier)] = evaluate(args, draft, verifier, targets[verifier])
+        cells[(source, verifier)] = evaluate(args, draft, verifier, targets[verifier])
     print_table(args, cells)
 
 

@@ -293,3 +293,57 @@ def test_quality_duel_trains_both_sides_for_the_budget_and_evaluates_the_peers_d
     rows = [line for line in out.splitlines() if line.startswith("| 2 | ")]
     assert [r.split("|")[2].strip() for r in rows] == ["chain-7", "tree-6:3:2"]
     assert all(r.count("(1 run)") == 2 and "| >= 3x |" in r for r in rows), rows
+
+
+def test_family_quality_trains_each_family_for_the_same_time_and_scores_the_serving_table(tmp_path, smollm2_dir):
+    """`benchmarks/family_quality.py --store` on CPU, tiny: EAGLE-3 and DFlash each for the budget, each row with
+    its steps, tau and the speedups of the serving table at batch 1 and 2, and the block-drafter goal judged."""
+    target, _ = tiny_chat_data(tmp_path, smollm2_dir)
+    out = run_script("family_quality", "--out", str(tmp_path / "runs"), "--store", str(tmp_path / "store"), "--model",
+                     str(target), "--budget-s", "2", "--val-samples", "2", "--variants", "eagle3,dflash",
+                     "--batch-sizes", "2", "--prompts", "dummy", "--max-prompts", "2", "--max-new-tokens", "8",
+                     "--eval-dtype", "float32", "--train-args", "--draft-vocab-size 256")
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
+            if line.startswith(("| eagle3 |", "| dflash |"))}
+    assert list(rows) == ["eagle3", "dflash"]
+    assert out.count(" --max-time 2 ") == 2  # the same budget for each
+    batch1 = {}
+    for name, cells in rows.items():
+        manifest = json.loads((tmp_path / "runs" / name / "manifest.json").read_text())
+        assert int(cells[0]) == manifest["steps"] >= 1
+        serving = json.loads((tmp_path / "runs" / name / "eval" / "report.json").read_text())["serving"]
+        speedups = {r["batch_size"]: r["speedup"] for r in serving if r["method"] != "target"}
+        assert [c.strip() for c in cells[5:7]] == [f"{speedups[1]:.2f}x", f"{speedups[2]:.2f}x"]
+        batch1[name] = speedups[1]
+    ratio = batch1["dflash"] / batch1["eagle3"]
+    assert f"goal: best block drafter dflash at {ratio:.2f}x EAGLE-3's batch-1 speedup (>= 1.3x): " in out
+
+
+def test_int4_study_quantizes_attention_too_and_crosses_states_and_verifiers(tmp_path, smollm2_dir):
+    """`benchmarks/int4_study.py` on CPU, tiny: the target packed W4A16 by compressed-tensors on every decoder linear
+    (attention included; embedding and head kept), loaded quantized by transformers and close to the bf16 target;
+    a draft trained on the INT4 target's states, verified by either target, a row per cell and method."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    target, _ = tiny_chat_data(tmp_path, smollm2_dir, store=False)
+    out = run_script("int4_study", "--out", str(tmp_path), "--model", str(target), "--budget-s", "2", "--cells",
+                     "int4>int4,int4>bf16", "--prompts", "dummy", "--max-prompts", "1", "--max-new-tokens", "8",
+                     "--tree", "6:3:2", "--train-args", "--draft-vocab-size 256")
+    int4 = tmp_path / "int4-target"
+    with safe_open(str(int4 / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())  # noqa: SIM118
+    for layer in range(4):
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                     "mlp.up_proj", "mlp.down_proj"):
+            assert f"model.layers.{layer}.{proj}.weight_packed" in names
+    assert "model.embed_tokens.weight" in names and not any("embed_tokens.weight_packed" in n for n in names)
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(int4, dtype=torch.float32)(ids).logits
+    assert 0 < (got - ref).abs().max() < 0.25 * ref.abs().max()  # quantized: near the bf16 target, not equal
+    rows = [line for line in out.splitlines() if line.startswith("| int4 | ")]
+    assert [r.split("|")[2:4] for r in rows] == [[" int4 ", " chain-7 "], [" int4 ", " tree-6:3:2 "],
+                                                 [" bf16 ", " chain-7 "], [" bf16 ", " tree-6:3:2 "]]
+    assert all(r.rstrip(" |").endswith("x") for r in rows), rows  # a speedup against the verifying target alone
