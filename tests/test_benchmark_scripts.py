@@ -234,20 +234,26 @@ def test_train_benchmark_without_a_peer_reports_mfu_first_step_and_a_profile():
 
 
 def tiny_chat_data(root: Path, tokenizer_dir: Path, store: bool = True) -> tuple[Path, Path]:
-    """(a tiny random chat target over SmolLM2's tokenizer, its prepared dummy chats); with `store`, also
-    root/store extracted from them: what the quality benchmarks start from, made in-process and in seconds."""
-    from _eval_utils import save_tiny_chat_target
+    """(a tiny random 6-layer chat target over SmolLM2's tokenizer, its prepared dummy chats); with `store`, also
+    root/store extracted from them at aux layers 1, 3, 5 (not the defaults, so a draft that forgets its layers
+    shows): what the quality benchmarks start from, made in-process and in seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from eyas.recipes.extract import ExtractOptions, run_extract
     from eyas.recipes.prepare import PrepareOptions, run_prepare
 
     target, prepared = root / "target", root / "prepared"
-    save_tiny_chat_target(target, AutoTokenizer.from_pretrained(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                                 eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)).save_pretrained(target)
+    tokenizer.save_pretrained(target)
     run_prepare(PrepareOptions(inputs=["dummy"], model=str(target), out=prepared, max_length=256, max_samples=24,
                                num_workers=1))
     if store:
         run_extract(ExtractOptions(prepared=prepared, out=root / "store", model=str(target), engine="hf",
-                                   dtype="float32", device="cpu", preflight=False))
+                                   aux_layer_ids=[1, 3, 5], dtype="float32", device="cpu", preflight=False))
     return target, prepared
 
 
@@ -285,7 +291,7 @@ def test_quality_duel_trains_both_sides_for_the_budget_and_evaluates_the_peers_d
     with safe_open(str(peer / "draft" / "model.safetensors"), framework="pt") as f:
         assert any(k.startswith("midlayer.") for k in f.keys())  # noqa: SIM118  SpecForge's own layout, not eyas'
     draft = import_draft(peer / "draft", target)
-    assert draft.config.aux_layer_ids == json.loads((tmp_path / "store" / "manifest.json").read_text())["aux_layer_ids"]
+    assert draft.config.aux_layer_ids == [1, 3, 5]  # the store's, as its config names them
     report = json.loads((peer / "eval" / "report.json").read_text())
     assert report["meta"]["draft"] == str(peer / "draft") and report["results"]["all"]["chain-7"]["tau"] >= 1
     for side in ("eyas", "peer"):
@@ -333,7 +339,7 @@ def test_int4_study_quantizes_attention_too_and_crosses_states_and_verifiers(tmp
     int4 = tmp_path / "int4-target"
     with safe_open(str(int4 / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())  # noqa: SIM118
-    for layer in range(4):
+    for layer in range(6):
         for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                      "mlp.up_proj", "mlp.down_proj"):
             assert f"model.layers.{layer}.{proj}.weight_packed" in names
