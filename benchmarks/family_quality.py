@@ -91,16 +91,20 @@ def evaluate(args: argparse.Namespace, name: str, family: str, chain: str) -> di
 
 
 def goal_line(rows: list[tuple], block: dict[str, bool]) -> str:
-    """The best block drafter's batch-1 speedup over EAGLE-3's, judged against GOAL."""
+    """The best block drafter's batch-1 speedup over EAGLE-3's, judged against GOAL, and why: a speedup is tau
+    over the cost of a verify step (in target-alone forwards), so the ratio splits into those two."""
     base = next((r for r in rows if r[0] == "eagle3"), None)
     blocks = [r for r in rows if block[r[0]]]
     if base is None or not blocks:
         return f"goal (best block drafter >= {GOAL}x EAGLE-3's batch-1 speedup): not judged, run eagle3 and a " \
                "block drafter"
     best = max(blocks, key=lambda r: r[4]["speedups"][1])
-    ratio = best[4]["speedups"][1] / base[4]["speedups"][1]
-    return f"goal: best block drafter {best[0]} at {ratio:.2f}x EAGLE-3's batch-1 speedup (>= {GOAL}x): " + \
-        ("met" if ratio >= GOAL else "not met")
+    ours, theirs = best[4], base[4]
+    ratio = ours["speedups"][1] / theirs["speedups"][1]
+    tau = ours["tokens_per_target_forward"] / theirs["tokens_per_target_forward"]
+    return (f"goal: best block drafter {best[0]} at {ratio:.2f}x EAGLE-3's batch-1 speedup (>= {GOAL}x): "
+            + ("met" if ratio >= GOAL else "not met")
+            + f"; = {tau:.2f}x its tau / {tau / ratio:.2f}x its cost per verify step (draft forwards included)")
 
 
 def print_table(args: argparse.Namespace, rows: list[tuple], block: dict[str, bool]) -> None:

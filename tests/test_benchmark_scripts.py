@@ -313,16 +313,18 @@ def test_family_quality_trains_each_family_for_the_same_time_and_scores_the_serv
             if line.startswith(("| eagle3 |", "| dflash |"))}
     assert list(rows) == ["eagle3", "dflash"]
     assert out.count(" --max-time 2 ") == 2  # the same budget for each
-    batch1 = {}
+    batch1, tau = {}, {}
     for name, cells in rows.items():
         manifest = json.loads((tmp_path / "runs" / name / "manifest.json").read_text())
         assert int(cells[0]) == manifest["steps"] >= 1
-        serving = json.loads((tmp_path / "runs" / name / "eval" / "report.json").read_text())["serving"]
-        speedups = {r["batch_size"]: r["speedup"] for r in serving if r["method"] != "target"}
+        report = json.loads((tmp_path / "runs" / name / "eval" / "report.json").read_text())
+        speedups = {r["batch_size"]: r["speedup"] for r in report["serving"] if r["method"] != "target"}
         assert [c.strip() for c in cells[5:7]] == [f"{speedups[1]:.2f}x", f"{speedups[2]:.2f}x"]
         batch1[name] = speedups[1]
-    ratio = batch1["dflash"] / batch1["eagle3"]
+        tau[name] = report["results"]["all"][cells[3].strip()]["tokens_per_target_forward"]
+    ratio, tau_ratio = batch1["dflash"] / batch1["eagle3"], tau["dflash"] / tau["eagle3"]
     assert f"goal: best block drafter dflash at {ratio:.2f}x EAGLE-3's batch-1 speedup (>= 1.3x): " in out
+    assert f"; = {tau_ratio:.2f}x its tau / {tau_ratio / ratio:.2f}x its cost per verify step" in out
 
 
 def test_int4_study_quantizes_attention_too_and_crosses_states_and_verifiers(tmp_path, smollm2_dir):
