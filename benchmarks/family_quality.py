@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--val-samples", type=int, default=200)
     ap.add_argument("--prompts", default="mtbench", help="eval prompt set")
     ap.add_argument("--max-prompts", type=int, default=10, help="conversations of the set (MT-Bench: both turns)")
-    ap.add_argument("--eval-dtype", default="auto")
+    ap.add_argument("--eval-dtype", default="float32", help="float32: greedy output comparable token for token")
     ap.add_argument("--variants", default="eagle3,dflash,peagle,dspark")
     ap.add_argument("--batch-sizes", default="1,16", help="the serving table's batch sizes (1 is the goal's)")
     args = ap.parse_args()

@@ -9,7 +9,8 @@ budget counts from the command's start), SpecForge with its own training code fr
 benchmarks/duel_peer.py with its defaults, its budget counted from that process's start. Start-up (imports
 aside, which both pay alike) is spent from each side's budget; the wall seconds each run took, measured here
 around its process, are printed beside its steps. Both drafts then go through the same `eyas eval` command
-(MT-Bench, temperature 0, chain 7 and one EAGLE-2 tree). Per budget: tau of each side (median over seeds, with
+(MT-Bench, temperature 0, chain 7 and one EAGLE-2 tree); the peer's report overlays eyas' (--compare), so
+OUT/B<budget>/s<seed>/peer/eval/report.md holds both side by side. Per budget: tau of each side (median over seeds, with
 its range) and eyas' tau - 1 over the peer's, paired per seed, judged against --goals.
 
 A killed run resumes: finished trainings and evals are kept (OUT/B<budget>/s<seed>/{eyas,peer}), so running
@@ -76,13 +77,15 @@ def train_side(args: argparse.Namespace, side: str, store: Path, budget: float, 
     return result
 
 
-def evaluate(args: argparse.Namespace, draft: Path) -> dict[str, float]:
-    """tau of chain-7 and of the tree, from one `eyas eval` with the same options for every draft."""
+def evaluate(args: argparse.Namespace, draft: Path, beside: Path | None = None) -> dict[str, float]:
+    """tau of chain-7 and of the tree, from one `eyas eval` with the same options for every draft; `beside`:
+    the other side's report, overlaid in this one's tables and plots (--compare)."""
     out = draft.parent / "eval"
     if not (out / "report.json").is_file():
+        compare = ["--compare", str(beside)] if beside is not None else []
         eyas("eval", "--draft", str(draft), "--model", args.model, "--prompts", args.prompts, "--max-prompts",
              str(args.max_prompts), "--chain", "7", "--tree", args.tree, "--max-new-tokens", str(args.max_new_tokens),
-             "--dtype", args.eval_dtype, "--no-baseline", "--out", str(out))
+             "--dtype", args.eval_dtype, "--no-baseline", "--label", draft.parent.name, "--out", str(out), *compare)
     results = json.loads((out / "report.json").read_text())["results"]["all"]
     return {"chain": results["chain-7"]["tau"], "tree": results[f"tree-{args.tree}"]["tau"]}
 
@@ -128,7 +131,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--tree", default="60:7:10")
-    ap.add_argument("--eval-dtype", default="auto")
+    ap.add_argument("--eval-dtype", default="float32", help="float32, as the project's quality evals")
     args = ap.parse_args()
     args.budgets = [float(b) for b in args.budget_s.split(",")]
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -143,9 +146,10 @@ def main() -> None:
     for budget in args.budgets:
         rows[budget] = {side: [] for side in SIDES}
         for seed in args.seeds:
-            for side in SIDES:
+            for side in SIDES:  # eyas first: the peer's report shows eyas' beside its own
                 trained = train_side(args, side, store, budget, seed)
-                taus = evaluate(args, Path(trained["draft"]))
+                beside = args.out / f"B{budget:g}" / f"s{seed}" / "eyas" / "eval" if side == "peer" else None
+                taus = evaluate(args, Path(trained["draft"]), beside)
                 rows[budget][side].append(taus)
                 print(f"  {side} B={budget:g}s seed {seed}: {trained['steps']} steps, {trained['wall_s']:.1f}s wall "
                       f"(start-up included); tau chain-7 {taus['chain']:.2f}, tree {taus['tree']:.2f}", flush=True)

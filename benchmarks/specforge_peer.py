@@ -20,6 +20,9 @@ one GPU:
   wrap     CUDA: FSDP (its default SHARD_GRAD_OP) over a one-process NCCL group, as its trainer runs
            on one GPU; `--peer-wrap none`: the bare module (its backend's prepare_model(wrap=False))
 
+benchmarks/duel_peer.py trains a whole draft with the same pieces (SpecForge.build_trainer) for
+benchmarks/quality_duel.py.
+
 Variants are BACKEND[+compact]: flex (its flex_attention), sdpa, and +compact for its compact teacher
 (specforge/core/compact_teacher.py; a version without one says so).
 

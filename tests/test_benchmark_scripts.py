@@ -276,7 +276,7 @@ def test_quality_duel_pairs_the_gain_over_one_per_seed_and_names_a_peer_that_acc
 def test_quality_duel_trains_both_sides_for_the_budget_and_evaluates_the_peers_draft(tmp_path, smollm2_dir):
     """`benchmarks/quality_duel.py` on CPU, tiny: eyas and SpecForge's own training (from its source) each for
     the budget from one store, the peer's draft written in its layout and read by `eyas eval` with the
-    store's aux layers, and the table of both sides' tau."""
+    store's aux layers, its report beside eyas', and the table of both sides' tau."""
     from safetensors import safe_open
 
     from eyas.model.checkpoints import import_draft
@@ -294,6 +294,7 @@ def test_quality_duel_trains_both_sides_for_the_budget_and_evaluates_the_peers_d
     assert draft.config.aux_layer_ids == [1, 3, 5]  # the store's, as its config names them
     report = json.loads((peer / "eval" / "report.json").read_text())
     assert report["meta"]["draft"] == str(peer / "draft") and report["results"]["all"]["chain-7"]["tau"] >= 1
+    assert "| tau eyas |" in (peer / "eval" / "report.md").read_text()  # eyas' eval beside it, same options
     for side in ("eyas", "peer"):
         assert f"  {side} B=2s seed 0: " in out
     rows = [line for line in out.splitlines() if line.startswith("| 2 | ")]
