@@ -356,3 +356,23 @@ def test_int4_study_quantizes_attention_too_and_crosses_states_and_verifiers(tmp
     assert [r.split("|")[2:4] for r in rows] == [[" int4 ", " chain-7 "], [" int4 ", " tree-6:3:2 "],
                                                  [" bf16 ", " chain-7 "], [" bf16 ", " tree-6:3:2 "]]
     assert all(r.rstrip(" |").endswith("x") for r in rows), rows  # a speedup against the verifying target alone
+
+
+def test_train_max_time_counts_the_commands_start_up(tmp_path):
+    """The equal-time benchmarks rest on `eyas train --max-time` spending start-up from the budget: a command
+    whose start lies past the budget stops at its first log step; one started now runs its schedule."""
+    from _train_utils import TINY_EAGLE3, train_store
+
+    from eyas.recipes.train import TrainOptions, TrainRecipe
+
+    _, _, store = train_store(tmp_path / "data")
+    results = []
+    for out, started_ago in (("late", 1000.0), ("now", 0.0)):
+        opts = TrainOptions(out=tmp_path / out, store=store, max_steps=4, max_time=500, **{**TINY_EAGLE3,
+                                                                                           "log_every": 2})
+        recipe = TrainRecipe(opts, log=lambda m: None)
+        recipe.started -= started_ago  # as if its start-up had taken that long
+        results.append(recipe.run())
+    late, now = results
+    assert not late["complete"] and late["steps"] == 2
+    assert now["complete"] and now["steps"] == 4
