@@ -10,7 +10,8 @@ one-layer LlamaConfig of the target's width, the target's embedding frozen), its
 its TrainerCore over its FSDP backend (one-process group on CUDA, as its trainer runs on one GPU) with its
 BF16Optimizer (AdamW 1e-4, warm-up 1.5%, cosine over --epochs at batch size 1; the run ends there or at
 the budget), its attention backend
-flex_attention (sdpa on CPU), rows cut to its max_length 2048, in a seeded order. Batches are its offline
+flex_attention (sdpa on CPU), rows cut to its max_length 2048, in a seeded order per epoch, read ahead by its
+default 4 DataLoader workers. Batches are its offline
 form (normalize_offline_sample) of the store's rows: aux states as stored, the target's final state after the
 target's norm (its TargetHead applies the lm_head alone). Both sides draft over the same vocabulary: the most
 frequent trained tokens of the store (eyas.model.vocab), as both pick theirs.
@@ -40,6 +41,31 @@ from eyas.train.data import token_counts  # noqa: E402
 
 MAX_LENGTH = 2048  # its default max_length
 TTT = 7  # its default ttt_length
+WORKERS = 4  # its EAGLE-3 default dataloader_num_workers (on CUDA; in-process on CPU)
+
+
+class StoreRows(torch.utils.data.Dataset):
+    """The store's rows in one epoch's order, the final state normed: its DataLoader workers' share."""
+
+    def __init__(self, store: HiddenStore, head: object, order: list[int]) -> None:
+        self.store, self.head, self.order = store, head, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.store[self.order[i]]
+        row["final_hidden"] = self.head.norm(row["final_hidden"].float()).to(row["final_hidden"].dtype)
+        return row
+
+
+def epochs_of_rows(store: HiddenStore, head: object, args: argparse.Namespace, cuda: bool):
+    """Rows for --epochs, each epoch in its own seeded order, read ahead by workers and pinned on CUDA."""
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(store), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        yield from torch.utils.data.DataLoader(StoreRows(store, head, order), batch_size=None,
+                                               num_workers=WORKERS if cuda else 0, pin_memory=cuda,
+                                               prefetch_factor=4 if cuda else None)
 
 
 def peer_draft_config(target: str, vocab: int, draft_vocab: int) -> object:
@@ -62,7 +88,6 @@ def train(args: argparse.Namespace, started: float) -> dict:
     vocab = head.vocab_size
     d2t, t2d = build_draft_vocab(token_counts(args.store, "store", vocab), min(args.draft_vocab, vocab))
     config = peer_draft_config(resolve_model(args.model), vocab, int(d2t.numel()))
-    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(args.seed)).tolist()
     peer, dtype = SpecForge(str(args.peer_src)), torch.bfloat16 if dev.type == "cuda" else torch.float32
     attention = "flex_attention" if dev.type == "cuda" else "sdpa"
     group = one_process_group() if dev.type == "cuda" else contextlib.nullcontext()
@@ -70,15 +95,14 @@ def train(args: argparse.Namespace, started: float) -> dict:
         if peer.legacy:
             raise SystemExit(f"{args.peer_src}: a tree up to the v0.2.0 tag; the duel drives the current layout")
         inputs = PeerInputs([], head.lm_head.float(), d2t, t2d)
-        total = args.epochs * len(order)
+        total = args.epochs * len(store)
         draft, core = peer.build_trainer(config, inputs, dev, TTT, attention, compact=False, fsdp=dev.type == "cuda",
                                          total_steps=total, embedding=head.embed_tokens.float())
         steps, loss = 0, float("nan")
-        while steps < total:  # the budget is looked at after each step, as eyas' is: one step at least
-            row = store[order[steps % len(order)]]
-            row["final_hidden"] = head.norm(row["final_hidden"].float()).to(row["final_hidden"].dtype)
+        # the budget is looked at after each step, as eyas' is: one step at least
+        for row in epochs_of_rows(store, head, args, dev.type == "cuda"):
             with eager_on_cpu(dev):
-                loss = core.train_step(peer.batch(row, dtype, pin=dev.type == "cuda", max_len=MAX_LENGTH)).loss
+                loss = core.train_step(peer.batch(row, dtype, pin=False, max_len=MAX_LENGTH)).loss
             steps += 1
             if time.perf_counter() - started >= args.budget_s:
                 break
