@@ -13,6 +13,9 @@ around its process, are printed beside its steps. Both drafts then go through th
 OUT/B<budget>/s<seed>/peer/eval/report.md holds both side by side. Per budget: tau of each side (median over seeds, with
 its range) and eyas' tau - 1 over the peer's, paired per seed, judged against --goals.
 
+Runs go budget by budget, seed by seed, eyas first: each side's compile caches are cold at its first run and
+warm after, alike for both.
+
 A killed run resumes: finished trainings and evals are kept (OUT/B<budget>/s<seed>/{eyas,peer}), so running
 the same command again does only what is left.
 """
