@@ -20,6 +20,9 @@ one GPU:
   wrap     CUDA: FSDP (its default SHARD_GRAD_OP) over a one-process NCCL group, as its trainer runs
            on one GPU; `--peer-wrap none`: the bare module (its backend's prepare_model(wrap=False))
 
+benchmarks/duel_peer.py trains a whole draft with the same pieces (SpecForge.build_trainer) for
+benchmarks/quality_duel.py.
+
 Variants are BACKEND[+compact]: flex (its flex_attention), sdpa, and +compact for its compact teacher
 (specforge/core/compact_teacher.py; a version without one says so).
 
@@ -165,7 +168,7 @@ class SpecForge:
         if compact and not self.has_compact:
             raise PeerUnusable("this version has no compact teacher")
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        config = _draft_config(shape)
+        config = draft_config(shape)
         if self.legacy:
             if dev.type != "cuda":
                 raise PeerUnusable("a tree up to the v0.2.0 tag trains through its Triton loss: it needs a GPU")
@@ -174,28 +177,42 @@ class SpecForge:
                 api, config, inputs.batches, inputs.lm_head.to(dev), inputs.d2t.to(dev), inputs.t2d.to(dev), ttt,
                 attention, wrap=wrap == "fsdp")
             return step, lambda loss: math.isfinite(float(loss))
-        with torch.device(dev):
-            draft = api.AutoDraftModel.from_config(config, attention_backend=attention, torch_dtype=dtype)
-            head = specforge_legacy_peer.target_head(api, config, inputs.lm_head, dtype)
-        draft.freeze_embedding()
-        with torch.no_grad():
-            draft.t2d.copy_(inputs.t2d)
-            draft.d2t.copy_(inputs.d2t)
-        model = api.OnlineEagle3Model(draft_model=draft, length=ttt, attention_backend=attention).to(dev, dtype)
-        backend = api.FSDPTrainingBackend(api.ParallelConfig.from_distributed(),
-                                          optimizer_factory=lambda m: api.BF16Optimizer(m, lr=1e-4,
-                                                                                        total_steps=10**6))
-        wrapped = backend.prepare_model(model, wrap=wrap == "fsdp", optimizer_target=model.draft_model)
-        strategy = api.Eagle3TrainStrategy(wrapped, target_head=head, **({"compact_teacher": True} if compact else {}))
-        core = api.TrainerCore(strategy, backend)
+        _, core = self.build_trainer(config, inputs, dev, ttt, attention, compact, wrap == "fsdp")
         batches = [self._batch(b, dtype, pin=dev.type == "cuda") for b in inputs.batches]
         turn = iter(range(10**9))
 
         def step():
-            with _eager_on_cpu(dev):
+            with eager_on_cpu(dev):
                 return core.train_step(batches[next(turn) % len(batches)])
 
         return step, lambda result: math.isfinite(result.loss)
+
+    def build_trainer(self, config: Any, inputs: PeerInputs, dev: torch.device, ttt: int, attention: str,
+                      compact: bool, fsdp: bool, total_steps: int = 10**6, embedding: torch.Tensor | None = None
+                      ) -> tuple[Any, Any]:
+        """(its draft, its TrainerCore) as its trainer assembles them, with its defaults (AdamW at 1e-4,
+        warm-up 1.5% of `total_steps`, then cosine; clipping at 0.5); `embedding`: the target's, frozen."""
+        api, dtype = self.api, torch.bfloat16 if dev.type == "cuda" else torch.float32
+        with torch.device(dev):
+            draft = api.AutoDraftModel.from_config(config, attention_backend=attention, torch_dtype=dtype)
+            head = specforge_legacy_peer.target_head(api, config, inputs.lm_head, dtype)
+        with torch.no_grad():
+            draft.t2d.copy_(inputs.t2d)
+            draft.d2t.copy_(inputs.d2t)
+            if embedding is not None:
+                draft.embed_tokens.weight.copy_(embedding)
+        draft.freeze_embedding()
+        model = api.OnlineEagle3Model(draft_model=draft, length=ttt, attention_backend=attention).to(dev, dtype)
+        backend = api.FSDPTrainingBackend(api.ParallelConfig.from_distributed(),
+                                          optimizer_factory=lambda m: api.BF16Optimizer(m, lr=1e-4,
+                                                                                        total_steps=total_steps))
+        wrapped = backend.prepare_model(model, wrap=fsdp, optimizer_target=model.draft_model)
+        strategy = api.Eagle3TrainStrategy(wrapped, target_head=head, **({"compact_teacher": True} if compact else {}))
+        return draft, api.TrainerCore(strategy, backend)
+
+    def batch(self, raw: dict, dtype: torch.dtype, pin: bool, max_len: int | None = None) -> Any:
+        """One stored row (eyas' input_ids, loss_mask, aux_hidden, final_hidden) in its offline batch form."""
+        return self._batch({**raw, "num_tokens": max_len or raw["num_tokens"]}, dtype, pin)
 
     def _batch(self, raw: dict, dtype: torch.dtype, pin: bool) -> Any:
         stored = {"input_ids": raw["input_ids"], "loss_mask": raw["loss_mask"].long(),
@@ -208,12 +225,12 @@ class SpecForge:
                                    metadata={"target_repr": "hidden_state"})
 
 
-def _eager_on_cpu(dev: torch.device) -> contextlib.AbstractContextManager:
+def eager_on_cpu(dev: torch.device) -> contextlib.AbstractContextManager:
     """Its torch.compile'd helpers run eagerly on CPU: the smoke test checks the driving, not the speed."""
     return torch._dynamo.config.patch(disable=True) if dev.type != "cuda" else contextlib.nullcontext()
 
 
-def _draft_config(shape: Any) -> Any:
+def draft_config(shape: Any) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(architectures=["LlamaForCausalLMEagle3"], hidden_size=shape.hidden,

@@ -231,3 +231,148 @@ def test_train_benchmark_without_a_peer_reports_mfu_first_step_and_a_profile():
     assert "Time to the first step: " in out
     profile = out[out.index("Profile: eyas tiny 256 eager, 3 steps"):]
     assert "aten::mm" in profile
+
+
+def tiny_chat_data(root: Path, tokenizer_dir: Path, store: bool = True) -> tuple[Path, Path]:
+    """(a tiny random 6-layer chat target over SmolLM2's tokenizer, its prepared dummy chats); with `store`, also
+    root/store extracted from them at aux layers 1, 3, 5 (not the defaults, so a draft that forgets its layers
+    shows): what the quality benchmarks start from, made in-process and in seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eyas.recipes.extract import ExtractOptions, run_extract
+    from eyas.recipes.prepare import PrepareOptions, run_prepare
+
+    target, prepared = root / "target", root / "prepared"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                                 eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    run_prepare(PrepareOptions(inputs=["dummy"], model=str(target), out=prepared, max_length=256, max_samples=24,
+                               num_workers=1))
+    if store:
+        run_extract(ExtractOptions(prepared=prepared, out=root / "store", model=str(target), engine="hf",
+                                   aux_layer_ids=[1, 3, 5], dtype="float32", device="cpu", preflight=False))
+    return target, prepared
+
+
+def run_script(name: str, *args: str) -> str:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    return done.stdout
+
+
+def test_quality_duel_pairs_the_gain_over_one_per_seed_and_names_a_peer_that_accepted_nothing():
+    duel = load_script("quality_duel")
+    r = duel.gain_ratios([3.0, 2.5], [1.5, 1.25])  # tau - 1: 2.0 / 0.5 and 1.5 / 0.25
+    assert (r.median, r.low, r.high, r.draws) == (5.0, 4.0, 6.0, 2)
+    assert duel.gain_ratios([2.0, 2.0], [1.5, 1.0]) is None  # the second seed's peer draft accepted nothing
+
+
+@pytest.mark.skipif(peer_source() is None, reason="no SpecForge source: set EYAS_PEER_SRC or run scripts/test.sh")
+def test_quality_duel_trains_both_sides_for_the_budget_and_evaluates_the_peers_draft(tmp_path, smollm2_dir):
+    """`benchmarks/quality_duel.py` on CPU, tiny: eyas and SpecForge's own training (from its source) each for
+    the budget from one store, the peer's draft written in its layout and read by `eyas eval` with the
+    store's aux layers, its report beside eyas', and the table of both sides' tau."""
+    from safetensors import safe_open
+
+    from eyas.model.checkpoints import import_draft
+
+    target, _ = tiny_chat_data(tmp_path, smollm2_dir)
+    out = run_script("quality_duel", "--out", str(tmp_path), "--peer-src", str(peer_source()), "--model", str(target),
+                     "--budget-s", "2", "--goals", "2=3", "--seeds", "0", "--prompts", "dummy", "--max-prompts", "1",
+                     "--max-new-tokens", "8", "--tree", "6:3:2", "--draft-vocab", "256", "--eval-dtype", "float32")
+    peer = tmp_path / "B2" / "s0" / "peer"
+    run = json.loads((peer / "draft" / "peer_run.json").read_text())
+    assert run["version"] == "0.2.0" and (run["steps"] == 24 or run["seconds"] >= 2)  # its epoch's end or budget
+    with safe_open(str(peer / "draft" / "model.safetensors"), framework="pt") as f:
+        assert any(k.startswith("midlayer.") for k in f.keys())  # noqa: SIM118  SpecForge's own layout, not eyas'
+    draft = import_draft(peer / "draft", target)
+    assert draft.config.aux_layer_ids == [1, 3, 5]  # the store's, as its config names them
+    report = json.loads((peer / "eval" / "report.json").read_text())
+    assert report["meta"]["draft"] == str(peer / "draft") and report["results"]["all"]["chain-7"]["tau"] >= 1
+    assert "| tau eyas |" in (peer / "eval" / "report.md").read_text()  # eyas' eval beside it, same options
+    for side in ("eyas", "peer"):
+        assert f"  {side} B=2s seed 0: " in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 | ")]
+    assert [r.split("|")[2].strip() for r in rows] == ["chain-7", "tree-6:3:2"]
+    assert all(r.count("(1 run)") == 2 and "| >= 3x |" in r for r in rows), rows
+
+
+def test_family_quality_trains_each_family_for_the_same_time_and_scores_the_serving_table(tmp_path, smollm2_dir):
+    """`benchmarks/family_quality.py --store` on CPU, tiny: EAGLE-3 and DFlash each for the budget, each row with
+    its steps, tau and the speedups of the serving table at batch 1 and 2, and the block-drafter goal judged."""
+    target, _ = tiny_chat_data(tmp_path, smollm2_dir)
+    out = run_script("family_quality", "--out", str(tmp_path / "runs"), "--store", str(tmp_path / "store"), "--model",
+                     str(target), "--budget-s", "2", "--val-samples", "2", "--variants", "eagle3,dflash",
+                     "--batch-sizes", "2", "--prompts", "dummy", "--max-prompts", "2", "--max-new-tokens", "8",
+                     "--eval-dtype", "float32", "--train-args", "--draft-vocab-size 256")
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
+            if line.startswith(("| eagle3 |", "| dflash |"))}
+    assert list(rows) == ["eagle3", "dflash"]
+    assert out.count(" --max-time 2 ") == 2  # the same budget for each
+    batch1, tau = {}, {}
+    for name, cells in rows.items():
+        manifest = json.loads((tmp_path / "runs" / name / "manifest.json").read_text())
+        assert int(cells[0]) == manifest["steps"] >= 1
+        report = json.loads((tmp_path / "runs" / name / "eval" / "report.json").read_text())
+        speedups = {r["batch_size"]: r["speedup"] for r in report["serving"] if r["method"] != "target"}
+        assert [c.strip() for c in cells[5:7]] == [f"{speedups[1]:.2f}x", f"{speedups[2]:.2f}x"]
+        batch1[name] = speedups[1]
+        tau[name] = report["results"]["all"][cells[3].strip()]["tokens_per_target_forward"]
+    ratio, tau_ratio = batch1["dflash"] / batch1["eagle3"], tau["dflash"] / tau["eagle3"]
+    assert f"goal: best block drafter dflash at {ratio:.2f}x EAGLE-3's batch-1 speedup (>= 1.3x): " in out
+    assert f"; = {tau_ratio:.2f}x its tau / {tau_ratio / ratio:.2f}x its cost per verify step" in out
+
+
+def test_int4_study_quantizes_attention_too_and_crosses_states_and_verifiers(tmp_path, smollm2_dir):
+    """`benchmarks/int4_study.py` on CPU, tiny: the target packed W4A16 by compressed-tensors on every decoder linear
+    (attention included; embedding and head kept), loaded quantized by transformers and close to the bf16 target;
+    a draft trained on the INT4 target's states, verified by either target, a row per cell and method."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    target, _ = tiny_chat_data(tmp_path, smollm2_dir, store=False)
+    out = run_script("int4_study", "--out", str(tmp_path), "--model", str(target), "--budget-s", "2", "--cells",
+                     "int4>int4,int4>bf16", "--prompts", "dummy", "--max-prompts", "1", "--max-new-tokens", "8",
+                     "--tree", "6:3:2", "--train-args", "--draft-vocab-size 256")
+    int4 = tmp_path / "int4-target"
+    with safe_open(str(int4 / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())  # noqa: SIM118
+    for layer in range(6):
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                     "mlp.up_proj", "mlp.down_proj"):
+            assert f"model.layers.{layer}.{proj}.weight_packed" in names
+    assert "model.embed_tokens.weight" in names and not any("embed_tokens.weight_packed" in n for n in names)
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(int4, dtype=torch.float32)(ids).logits
+    assert 0 < (got - ref).abs().max() < 0.25 * ref.abs().max()  # quantized: near the bf16 target, not equal
+    rows = [line for line in out.splitlines() if line.startswith("| int4 | ")]
+    assert [r.split("|")[2:4] for r in rows] == [[" int4 ", " chain-7 "], [" int4 ", " tree-6:3:2 "],
+                                                 [" bf16 ", " chain-7 "], [" bf16 ", " tree-6:3:2 "]]
+    assert all(r.rstrip(" |").endswith("x") for r in rows), rows  # a speedup against the verifying target alone
+
+
+def test_train_max_time_counts_the_commands_start_up(tmp_path):
+    """The equal-time benchmarks rest on `eyas train --max-time` spending start-up from the budget: a command
+    whose start lies past the budget stops at its first log step; one started now runs its schedule."""
+    from _train_utils import TINY_EAGLE3, train_store
+
+    from eyas.recipes.train import TrainOptions, TrainRecipe
+
+    _, _, store = train_store(tmp_path / "data")
+    results = []
+    for out, started_ago in (("late", 1000.0), ("now", 0.0)):
+        opts = TrainOptions(out=tmp_path / out, store=store, max_steps=4, max_time=500, **{**TINY_EAGLE3,
+                                                                                           "log_every": 2})
+        recipe = TrainRecipe(opts, log=lambda m: None)
+        recipe.started -= started_ago  # as if its start-up had taken that long
+        results.append(recipe.run())
+    late, now = results
+    assert not late["complete"] and late["steps"] == 2
+    assert now["complete"] and now["steps"] == 4

@@ -144,6 +144,7 @@ class TrainRecipe:
         from eyas.train import distributed as D
 
         self.opts, self.stop_after = opts, stop_after
+        self.started = time.perf_counter()  # --max-time counts from here: start-up spends the budget too
         self.info = D.init_distributed(opts.device)
         self.say = log or (lambda msg: typer.echo(msg, err=True) if self.info.is_main else None)
         self.out = Path(opts.out)
@@ -364,7 +365,7 @@ class TrainRecipe:
         t0 = time.perf_counter()
         try:
             last = run_loop(trainer, batches, self.out, self.total, max(self.steps_per_epoch, 1), progress, metrics,
-                            stop_after=self.stop_after, log=self.say, validate=validate)
+                            stop_after=self.stop_after, log=self.say, validate=validate, started=self.started)
         finally:
             if online:
                 src.feed.close()

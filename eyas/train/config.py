@@ -58,8 +58,9 @@ class TrainConfig:
     max_steps: int = option(0, help="Optimizer steps; overrides --epochs when > 0.")
     save_every: int = option(1000, help="Checkpoint every N optimizer steps and at the end (0 = never; then "
                              "--resume has nothing to resume from).")
-    max_time: float = option(0, help="Wall-clock budget in seconds: past it, the run stops at the next log step, "
-                             "saves a checkpoint and writes the draft as it stands (--resume continues). 0 = none.")
+    max_time: float = option(0, help="Wall-clock budget in seconds, start-up included: past it, the run stops at the "
+                             "next log step, saves a checkpoint and writes the draft as it stands (--resume "
+                             "continues). 0 = none.")
     val_samples: int = option(0, help="Hold this many samples (drawn at random, seeded) out of training and measure "
                               "the draft on them (loss, per-step accuracy, tau_sim, and the same over each first "
                               "reply's first 64 tokens); the best validation's draft is kept in OUT/draft-best.")

@@ -30,13 +30,14 @@ class _Session:
     (a resumed run starts a new session), the progress bar and the last logged metrics."""
 
     def __init__(self, trainer: Trainer, out: Path, total_steps: int, progress_state: dict[str, Any],
-                 metrics: MetricsLog | None, log: Any) -> None:
+                 metrics: MetricsLog | None, log: Any, started: float | None = None) -> None:
         from eyas.utils.progress import progress_bar
 
         self.trainer, self.cfg, self.out, self.root = trainer, trainer.cfg, out, out / "train_state"
         self.total_steps, self.progress, self.metrics, self.log = total_steps, progress_state, metrics, log
         self.last: dict[str, Any] = {}
         self.session_tokens, self.t0 = 0, time.perf_counter()
+        self.started = self.t0 if started is None else started  # where the --max-time budget began
         self.window_tokens, self.tw = 0, time.perf_counter()
         self.window_loss_tokens = 0  # trained (loss-masked) tokens this rank saw since the last log
         self.steps_seen = self.empty_seen = 0  # this session's steps, and those with no valid token
@@ -73,7 +74,8 @@ class _Session:
         trainer, cfg = self.trainer, self.cfg
         is_last = trainer.step >= self.total_steps or (stop_after and trainer.step >= stop_after)
         if cfg.max_time and trainer.step % cfg.log_every == 0 and not is_last:
-            is_last = self.progress["timed_out"] = D.broadcast_object(time.perf_counter() - self.t0 >= cfg.max_time)
+            over = time.perf_counter() - self.started >= cfg.max_time
+            is_last = self.progress["timed_out"] = D.broadcast_object(over)
         return is_last
 
     def log_step(self, epoch: int) -> None:
@@ -159,14 +161,15 @@ def start_up_work(trainer: Trainer) -> str:
 
 def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_per_epoch: int,
              progress_state: dict[str, Any], metrics: MetricsLog | None, stop_after: int = 0, log: Any = print,
-             validate: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+             validate: Callable[[], dict[str, Any]] | None = None,
+             started: float | None = None) -> dict[str, Any]:
     """Consume `batches` (eyas.train.data.iterate_batches; online, eyas.train.online.TargetFeed.batches with
     the target's states filled in) until `total_steps` optimizer steps, logging and checkpointing;
     `validate()` (collective) measures held-out data every `val_every` steps and at the end, keeping the
-    draft of the best one in OUT/draft-best. Returns the last logged metrics, with the last validation's
-    under "val"."""
+    draft of the best one in OUT/draft-best; --max-time counts from `started` (the command's start), else from
+    here. Returns the last logged metrics, with the last validation's under "val"."""
     cfg = trainer.cfg
-    run = _Session(trainer, out, total_steps, progress_state, metrics, log)
+    run = _Session(trainer, out, total_steps, progress_state, metrics, log, started)
     with run.bar:
         run.task = run.bar.add_task("train", total=total_steps, completed=trainer.step, tokens=0, info="")
         for epoch, step_in_epoch, micro in batches:
