@@ -19,6 +19,7 @@ eagerly with one warning.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,7 @@ class GraphedStep:
         self.flex, self.host_embeds = flex, host_embeds
         self.warmup = warmup
         self.failed = False
+        self.capture_s = 0.0  # seconds the last capture took (the first-step line reports it)
         self.static: dict[str, Any] | None = None  # the batch buffers every replay reads
         self.docs: torch.Tensor | None = None  # [1, N] view of the static document ids
         self.block_mask: Any = None  # flex: the captured mask, refreshed in place
@@ -116,6 +118,7 @@ class GraphedStep:
         return out
 
     def _capture(self) -> None:
+        t = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph, at fixed addresses
         graph = torch.cuda.CUDAGraph()
         # thread_local: DataLoader pin-memory threads may use CUDA while this thread captures
@@ -123,6 +126,7 @@ class GraphedStep:
             self.stats = self.update([self.static], self.block_mask)
         self.graph = graph
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
+        self.capture_s = time.perf_counter() - t
 
 
 def _copy_block_mask(dst: Any, src: Any) -> bool:
