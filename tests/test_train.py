@@ -390,6 +390,7 @@ from torch._dynamo.utils import counters
 from eyas.recipes.train import TrainOptions, run_train
 lines = []
 res = run_train(TrainOptions(out=sys.argv[1], store=sys.argv[2], resume=sys.argv[4] == "resume", compile=True,
+                             compile_in_background=False,
                              draft_vocab_size=48, ttt_steps=2, token_budget=256, num_workers=0, report_to="none",
                              log_every=1, save_every=0, max_steps=int(sys.argv[5]), max_time=float(sys.argv[3])),
                 log=lines.append)

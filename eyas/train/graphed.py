@@ -12,7 +12,9 @@ How, within what a graph allows (fixed addresses, fixed shapes, no host syncs):
   the graph from the static document ids each step and copied into the captured mask's tensors;
 - AdamW is `capturable` with its learning rate in a device tensor that the scheduler fills;
 - the first `warmup` steps run eagerly on a side stream (they are real steps: torch.compile
-  builds its kernels, the optimizer its state), the next one is captured and then replayed.
+  builds its kernels, the optimizer its state), the next one is captured and then replayed; while
+  the draft compiles in the background (eyas.train.compiling), the steps stay eager, and the
+  `warmup` steps count from when its compiled code takes over.
 If capturing fails (an op that cannot be captured in some torch version), training goes on
 eagerly with one warning.
 """
@@ -46,11 +48,12 @@ class GraphedStep:
 
     def __init__(self, update: Update, prepare: Callable[[dict[str, Any]], dict[str, Any]],
                  opt: torch.optim.Optimizer, model: nn.Module, device: torch.device, flex: bool,
-                 host_embeds: bool, warmup: int = 2) -> None:
+                 host_embeds: bool, warmup: int = 2, ready: Callable[[], bool] = lambda: True) -> None:
         self.update, self.prepare = update, prepare
         self.opt, self.model, self.device = opt, model, device
         self.flex, self.host_embeds = flex, host_embeds
         self.warmup = warmup
+        self.ready = ready  # whether the compiled code has taken over (eyas.train.compiling): only then capture
         self.failed = False
         self.capture_s = 0.0  # seconds the last capture took (the first-step line reports it)
         self.static: dict[str, Any] | None = None  # the batch buffers every replay reads
@@ -72,8 +75,10 @@ class GraphedStep:
         if not self._load(batch):
             return self.update([batch], None)  # another shape: this step runs eagerly
         if self.graph is None:
+            if not self.ready():
+                self.eager_left = max(self.eager_left, 1)  # one step of compiled code runs before the capture
             if self.eager_left > 0:
-                self.eager_left -= 1
+                self.eager_left -= self.ready()
                 return self._on_side_stream(lambda: self.update([self.static], self.block_mask))
             try:
                 self._capture()

@@ -45,6 +45,7 @@ class _Session:
         self.warm: tuple[float, int] | None = None  # (time, step) when the session's first step was done
         self.first_batch_s: float | None = None  # seconds until the session's first batch was in hand
         self.compile0 = startup.compile_seconds()
+        self.cache_saved = False  # the compile cache was written (or found) in this session
         self.tokens_total = int(progress_state.get("tokens", 0))
         self.show = trainer.info.is_main
         self.bar = progress_bar(disable=None if self.show else True)
@@ -200,9 +201,10 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                 run.validate(validate)
             if saving:
                 save_checkpoint(trainer, run.root, dict(progress_state), cfg.keep_checkpoints)
-            if trainer.step == progress_state["start"] + 1 and trainer.compiled and run.show \
-                    and not (run.root / CACHE_FILE).is_file():
-                save_compile_cache(run.root)  # all compiled by now; for a resume on another machine
+            if trainer.compiled and run.show and not run.cache_saved and trainer.compile_ready():
+                run.cache_saved = True
+                if not (run.root / CACHE_FILE).is_file():
+                    save_compile_cache(run.root)  # all compiled by now; for a resume on another machine
             if is_last:
                 break
             if run.warm is None:
