@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
           "each a fresh process with empty compile caches", flush=True)
     vocab = SHAPES["tiny" if args.tiny else "smollm2"][5]
     with tempfile.TemporaryDirectory() as tmp:
-        prepared = make_prepared(Path(tmp) / "prepared", args.tokens, max(64, args.warmup + args.steps), vocab)
+        rows = max(64 if args.tiny else 512, args.warmup + args.steps)  # an epoch outlasts the eager steps
+        prepared = make_prepared(Path(tmp) / "prepared", args.tokens, rows, vocab)
         rounds = iter(range(10**9))
 
         def case(mode: str):
