@@ -75,10 +75,11 @@ class GraphedStep:
         if not self._load(batch):
             return self.update([batch], None)  # another shape: this step runs eagerly
         if self.graph is None:
-            if not self.ready():
-                self.eager_left = max(self.eager_left, 1)  # one step of compiled code runs before the capture
+            ready = self.ready()  # read once: the background thread may finish meanwhile
+            if not ready:
+                self.eager_left = max(self.eager_left, 1)  # steps of compiled code run before the capture
             if self.eager_left > 0:
-                self.eager_left -= self.ready()
+                self.eager_left -= ready
                 return self._on_side_stream(lambda: self.update([self.static], self.block_mask))
             try:
                 self._capture()
