@@ -87,3 +87,40 @@ def test_a_part_that_fails_to_compile_in_the_background_runs_eagerly():
         bg.start()
         bg.wait()
     assert bg.ready and part.compiled is None and part(x).item() == 3.0
+
+
+class _Graph:
+    """What GraphedStep does with a captured graph: replay it."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def replay(self) -> None:
+        self.events.append("replay")
+
+
+def test_the_step_is_captured_only_once_the_compiled_code_has_run_warmup_steps(monkeypatch):
+    """GraphedStep's order (CUDA's own pieces stood in for: there is no GPU here): eager steps while the draft
+    compiles in the background, then `warmup` steps of the compiled code, then the capture, then replays."""
+    from eyas.train.graphed import GraphedStep
+
+    events: list[str] = []
+    compiled = {"ready": False}
+    step = GraphedStep(lambda micro, mask: torch.zeros(2, 3), lambda b: b, opt=None, model=None,
+                       device=torch.device("cpu"), flex=False, host_embeds=False, warmup=2,
+                       ready=lambda: compiled["ready"])
+
+    def capture() -> None:
+        events.append("capture")
+        step.graph, step.stats = _Graph(events), torch.zeros(2, 3)
+
+    monkeypatch.setattr(step, "_load", lambda batch: True)
+    monkeypatch.setattr(step, "_on_side_stream", lambda fn: events.append("eager") or fn())
+    monkeypatch.setattr(step, "_capture", capture)
+    for _ in range(5):
+        step({})
+    assert events == ["eager"] * 5  # compiling in the background: no capture, however many steps
+    compiled["ready"] = True
+    for _ in range(4):
+        step({})
+    assert events == ["eager"] * 7 + ["capture", "replay", "replay"]

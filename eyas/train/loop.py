@@ -158,6 +158,17 @@ class _Session:
         self.bar.reset(self.task, total=self.total_steps, completed=self.trainer.step, tokens=0, info="")
 
 
+    def compiled_now(self) -> None:
+        """Once the compiled draft runs: save the compile cache (for a resume on another machine) and, where
+        it compiled in the background, say from which step."""
+        self.cache_saved = True
+        if self.trainer.background is not None:
+            into = time.perf_counter() - self.t0
+            self.log(f"the draft runs compiled from step {self.trainer.step + 1} on, {into:.0f}s into training "
+                     "(torch.compile ran in the background meanwhile)")
+        if not (self.root / CACHE_FILE).is_file():
+            save_compile_cache(self.root)
+
     def start_up_parts(self, before: dict[str, float]) -> str:
         """Where the start-up's seconds went, in words: only what happened here. torch.compile runs inside the
         first batch (the target's graphs) and the first step (the draft's), so it is a share of those."""
@@ -202,9 +213,7 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
             if saving:
                 save_checkpoint(trainer, run.root, dict(progress_state), cfg.keep_checkpoints)
             if trainer.compiled and run.show and not run.cache_saved and trainer.compile_ready():
-                run.cache_saved = True
-                if not (run.root / CACHE_FILE).is_file():
-                    save_compile_cache(run.root)  # all compiled by now; for a resume on another machine
+                run.compiled_now()
             if is_last:
                 break
             if run.warm is None:
