@@ -239,9 +239,11 @@ def test_named_assets_travel_in_parts_and_the_unpack_script_points_eyas_at_them(
     node.mkdir()
     for f in [*parts, tmp_path / "b.parts.json", tmp_path / "b.unpack.py"]:
         f.rename(node / f.name)
-    done = subprocess.run([sys.executable, "b.unpack.py", "--no-install", "--dest", str(node / "here")], cwd=node,
-                          capture_output=True, text=True)
+    site = node / "site"  # pip installs eyas' wheel from the bundle alone (--no-index) into a folder of its own
+    done = subprocess.run([sys.executable, "b.unpack.py", "--dest", str(node / "here"), f"--pip-arg=--target={site}",
+                           "--pip-arg=--no-deps"], cwd=node, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    assert "installed eyas and its wheels" in done.stdout and len(list(site.glob("eyas-*.dist-info"))) == 1
     env = dict(line.removeprefix("export ").split("=", 1) for line in
                (node / "here" / "b" / "env.sh").read_text().splitlines())
     assert set(env) == {"EYAS_SMOLLM2_GGUF", "EYAS_MTBENCH"}

@@ -4,7 +4,7 @@
 stream cut at N MiB), B.parts.json (every part's size and sha256, and the environment the bundle's named
 assets need) and this script, copied as B.unpack.py. Standard library only: it runs before eyas is installed.
 
-    python3 B.unpack.py [--dest DIR] [--no-install]
+    python3 B.unpack.py [--dest DIR] [--no-install] [--pip-arg=--user ...]
 
 checks every part against B.parts.json (a missing or damaged part is named: carry it again), joins them into
 DIR/B (default: beside the parts), checks every file against B/manifest.json, installs eyas and its wheels
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dest", type=Path, default=here, help="where the bundle folder goes (default: beside the parts)")
     ap.add_argument("--no-install", action="store_true", help="join and check only; install nothing")
+    ap.add_argument("--pip-arg", action="append", default=[], help="passed on to pip install, e.g. --pip-arg=--user "
+                    "or --pip-arg=--break-system-packages; repeatable")
     args = ap.parse_args(argv)
     index_path = here / f"{stem}.parts.json"
     if not index_path.is_file():
@@ -102,8 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     (folder / "env.sh").write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()), encoding="utf-8")
     print(f"{folder}: {len(index['parts'])} parts joined, every file checked against manifest.json")
     if not args.no_install:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(folder / "wheels"), "eyas",
-               *index.get("wheels", [])]
+        cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(folder / "wheels"),
+               *args.pip_arg, "eyas", *index.get("wheels", [])]
         if subprocess.run(cmd).returncode != 0:
             fail(f"{shlex.join(cmd)} failed (above): the node lacks a package the bundle does not bring; make it "
                  "again with --node-packages from this node's `pip freeze --all`")
