@@ -50,28 +50,33 @@ class CompiledOrEager:
         self.compiled, self.ready = None, True
 
     def build(self) -> None:
-        """Compile on the recorded inputs (the background thread): forward, then backward where one exists."""
-        args, modes = self.example
-        self.example = None
+        """Compile on the recorded inputs (the background thread); the part takes the compiled code from its next
+        call on, once this thread's work on the device is done and its tensors are released."""
+        example, self.example = self.example, None
         try:
-            with _in_modes(modes):
-                out = self.compiled(*args)
-                outs = [o for o in (out if isinstance(out, tuple) else (out,))
-                        if isinstance(o, torch.Tensor) and o.requires_grad]
-                owner = getattr(self.eager, "__self__", None)
-                wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-                params = owner.parameters() if isinstance(owner, torch.nn.Module) else ()
-                wrt += [p for p in params if p.requires_grad]
-                if outs and wrt:  # compiles the backward; the gradients are returned and dropped, never accumulated
-                    torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+            self._run_compiled(*example)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - the training thread goes on eagerly
             self.fail(e)
             return
+        del example  # the copies go before the training thread may capture a CUDA graph
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.ready = True
+
+    def _run_compiled(self, args: tuple, modes: dict[str, Any]) -> None:
+        """The compiled forward on `args` under `modes` and, where it has one, its backward."""
+        with _in_modes(modes):
+            out = self.compiled(*args)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            owner = getattr(self.eager, "__self__", None)
+            wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            params = owner.parameters() if isinstance(owner, torch.nn.Module) else ()
+            wrt += [p for p in params if p.requires_grad]
+            if outs and wrt:  # compiles the backward; the gradients are returned and dropped, never accumulated
+                torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
 
 
 class Background:
