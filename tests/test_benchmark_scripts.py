@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -376,3 +377,28 @@ def test_train_max_time_counts_the_commands_start_up(tmp_path):
     late, now = results
     assert not late["complete"] and late["steps"] == 2
     assert now["complete"] and now["steps"] == 4
+def test_cold_start_benchmark_times_each_mode_in_a_fresh_process_on_cpu(tmp_path):
+    """`benchmarks/cold_start.py --tiny`: each mode drawn in a process of its own with empty compile caches;
+    the draft compiled in the background gives its first step before torch.compile has run, and reaches the
+    compiled code later; the eager mode compiles nothing; the table has a row per mode."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cold_start.py"), "--tiny", "--repeats", "1", "--modes",
+           "background,eager", "--detail", "--log-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "EYAS_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    draws = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    assert set(draws) == {"background", "eager"}, out
+
+    def figures(line: str) -> tuple[float, float, int, float]:
+        m = re.search(r"torch.compile ([\d.]+)s over \d+ graphs\); full speed after ([\d.]+)s \(step (\d+); "
+                      r"torch.compile ([\d.]+)s", line)
+        return float(m[1]), float(m[2]), int(m[3]), float(m[4])
+
+    first_compile, _, steps, all_compile = figures(draws["background"])
+    assert first_compile == 0.0 and steps > 1 and all_compile > 0, draws["background"]
+    assert figures(draws["eager"])[3] == 0.0 and "NOT FINITE" not in out
+    rows = [line for line in out.splitlines() if line.startswith(("| background |", "| eager |"))]
+    assert len(rows) == 2 and all(line.count("(1 run)") == 8 for line in rows), rows
+    logs = sorted(p.name for p in tmp_path.iterdir())
+    assert logs == ["background-0.log", "eager-1.log"], logs  # one log per draw, named by mode and draw

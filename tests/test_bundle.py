@@ -3,14 +3,12 @@ from its tar parts, the run there is killed twice and resumed, and ends with the
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -62,14 +60,29 @@ def test_a_bundled_run_killed_twice_ends_where_a_direct_run_ends(setup, tmp_path
     assert any(name.startswith("wheels/eyas-") and name.endswith(".whl") for name in manifest["files"])
     for name, meta in manifest["files"].items():
         assert sha256_file(out / name) == meta["sha256"], name
-    parts = sorted(tmp_path.glob("b.tar.*"))
+    parts = sorted(tmp_path.glob("b.tar.gz.*"))
     assert len(parts) > 1 and all(p.stat().st_size <= 3 << 20 for p in parts)
+    index = read_json(tmp_path / "b.parts.json")
+    assert [(q["name"], q["bytes"], q["sha256"]) for q in index["parts"]] == \
+        [(p.name, p.stat().st_size, sha256_file(p)) for p in parts]
+    assert index["env"] == {}  # nothing here is one of eyas' named assets
 
-    node = tmp_path / "node"  # elsewhere: only the parts arrive, joined as `cat b.tar.* | tar -x` does
+    node = tmp_path / "node"  # elsewhere: only the parts, their index and the unpack script arrive
     node.mkdir()
-    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r|") as tar:
-        tar.extractall(node, filter="data")
+    for f in [*parts, tmp_path / "b.parts.json", tmp_path / "b.unpack.py"]:
+        (node / f.name).write_bytes(f.read_bytes())
+    unpack = [sys.executable, "b.unpack.py", "--no-install"]  # standard library only: no eyas on the path
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    damaged = node / parts[1].name
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    bad = subprocess.run(unpack, cwd=node, env=clean, capture_output=True, text=True)
+    assert bad.returncode == 1 and f"part {damaged} is damaged" in bad.stderr and not (node / "b").exists()
+    damaged.write_bytes(parts[1].read_bytes())
+    done = subprocess.run(unpack, cwd=node, env=clean, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "parts joined, every file checked against manifest.json" in done.stdout
     here = node / "b"
+    assert (here / "env.sh").read_text() == ""
     assert yaml.safe_load((here / "config.yaml").read_text())["target"] == "assets/target"
     env = {**os.environ, "EYAS_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "eyas.cli", "run", "config.yaml"]
@@ -116,7 +129,7 @@ def test_a_gguf_target_travels_as_the_gguf_and_the_total_size_is_printed(setup, 
                                     "target": "smollm2" if named == "alias" else str(gguf)}))
     lines: list[str] = []
     out = tmp_path / "b"
-    run_bundle(BundleOptions(config=path, out=out, workdir=False, dependencies=False), log=lines.append)
+    run_bundle(BundleOptions(config=path, out=out, workdir=False, dependencies=False, part_mb=0), log=lines.append)
     target = yaml.safe_load((out / "config.yaml").read_text())["target"]
     assert target == f"assets/target/{gguf.name}"
     assert sorted(p.name for p in (out / "assets" / "target").iterdir()) == [gguf.name]
@@ -205,3 +218,38 @@ def test_a_bundle_installs_into_an_empty_venv_without_an_index(setup, tmp_path):
     where = subprocess.run([str(python), "-c", "import eyas; print(eyas.__file__)"], capture_output=True, text=True,
                            env=env, cwd=tmp_path).stdout
     assert where.startswith(str(tmp_path / "node")), where
+
+
+def test_named_assets_travel_in_parts_and_the_unpack_script_points_eyas_at_them(setup, tmp_path):
+    """The SmolLM2 alias and MT-Bench travel as their files, in parts of at most --part-mb; the unpack script
+    joins them and writes env.sh, whose variables make eyas' named assets resolve to the bundle's copies."""
+    from eyas.assets import mtbench_path, smollm2_gguf
+
+    root, config = setup
+    raw = yaml.safe_load(config.read_text())
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**raw, "target": "smollm2", "eval": {**raw["eval"], "prompts": "mtbench"}}))
+    lines: list[str] = []
+    run_bundle(BundleOptions(config=path, out=tmp_path / "b", workdir=False, dependencies=False, part_mb=40),
+               log=lines.append)
+    parts = sorted(tmp_path.glob("b.tar.gz.*"))
+    assert len(parts) >= 2 and all(p.stat().st_size <= 40 << 20 for p in parts)
+    assert "python3 b.unpack.py" in lines[-1]
+    node = tmp_path / "node"
+    node.mkdir()
+    for f in [*parts, tmp_path / "b.parts.json", tmp_path / "b.unpack.py"]:
+        f.rename(node / f.name)
+    site = node / "site"  # pip installs eyas' wheel from the bundle alone (--no-index) into a folder of its own
+    done = subprocess.run([sys.executable, "b.unpack.py", "--dest", str(node / "here"), f"--pip-arg=--target={site}",
+                           "--pip-arg=--no-deps"], cwd=node, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "installed eyas and its wheels" in done.stdout and len(list(site.glob("eyas-*.dist-info"))) == 1
+    env = dict(line.removeprefix("export ").split("=", 1) for line in
+               (node / "here" / "b" / "env.sh").read_text().splitlines())
+    assert set(env) == {"EYAS_SMOLLM2_GGUF", "EYAS_MTBENCH"}
+    assert sha256_file(env["EYAS_SMOLLM2_GGUF"]) == sha256_file(smollm2_gguf())
+    assert sha256_file(env["EYAS_MTBENCH"]) == sha256_file(mtbench_path())
+    shown = subprocess.run([sys.executable, "-c", "from eyas.assets import smollm2_gguf, mtbench_path; "
+                            "print(smollm2_gguf()); print(mtbench_path())"], env={**os.environ, **env},
+                           capture_output=True, text=True)
+    assert shown.stdout.split() == [env["EYAS_SMOLLM2_GGUF"], env["EYAS_MTBENCH"]]

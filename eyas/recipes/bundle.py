@@ -14,14 +14,18 @@ a folder B that holds:
 
 The total size, and each part's, is printed at the end.
 
-With --part-mb N, B is also written as tar parts of at most N MiB (B.tar.000, B.tar.001, ...) for
-transfers with a size limit; `cat B.tar.* | tar -x` puts the folder back. On the node, `eyas run
-config.yaml` from inside B runs the pipeline; a job killed at its time limit resumes where it stopped
+B is also written as parts of at most --part-mb MiB (B.tar.gz.000, B.tar.gz.001, ...: one gzip'd tar
+stream) for transfers with a size limit, with B.parts.json (each part's size and sha256, the environment
+the named assets need) and B.unpack.py (eyas.recipes.bundle_unpack: standard library only), which on the
+node checks and joins the parts, checks every file, installs the wheels with `pip install --no-index` and
+writes B/env.sh ($EYAS_SMOLLM2_GGUF, $EYAS_SHAREGPT, $EYAS_MTBENCH at the bundle's copies). `eyas run
+config.yaml` from inside B then runs the pipeline; a job killed at its time limit resumes where it stopped
 when run again, and bundling B/work back the same way brings the results home.
 """
 
 from __future__ import annotations
 
+import gzip
 import shutil
 import subprocess
 import sys
@@ -57,7 +61,8 @@ class BundleOptions:
     with_torch: bool = option(False, help="Also bring torch and the CUDA libraries it needs (nvidia-*, triton): "
                               "gigabytes; a GPU node usually has its own build.")
     workdir: bool = option(True, help="Bring the run's work folder as it is now, so the node resumes it.")
-    part_mb: float = option(0, help="Also write the bundle as tar parts of at most this many MiB; 0 = none.")
+    part_mb: float = option(48, help="Also write the bundle as parts of at most this many MiB, with their checksums "
+                            "and a join-and-install script (B.unpack.py); 0 = none.")
 
     def __post_init__(self) -> None:
         if self.part_mb < 0:
@@ -74,7 +79,7 @@ def run_bundle(opts: BundleOptions, log: Any = print) -> Path:
     with atomic_path(out) as tmp:
         tmp.mkdir()
         raw = yaml.safe_load(Path(opts.config).read_text(encoding="utf-8")) or {}
-        raw = bring_assets(raw, cfg, tmp)
+        raw, env = bring_assets(raw, cfg, tmp)
         work = Path(cfg.workdir or Path("runs") / Path(opts.config).stem)
         if opts.workdir and work.is_dir():
             shutil.copytree(work, tmp / "work", symlinks=True)
@@ -95,20 +100,37 @@ def run_bundle(opts: BundleOptions, log: Any = print) -> Path:
     log(f"bundle {out}: {len(files) + 1} files, {human_bytes(sum(sizes.values()))} in all ({breakdown}); on the node: "
         f"see {out / 'README.md'}")
     if opts.part_mb:
-        parts = write_parts(out, int(opts.part_mb * (1 << 20)))
-        log(f"{len(parts)} parts of at most {opts.part_mb:g} MiB: {parts[0].name} ... "
-            f"(cat {out.name}.tar.* | tar -x)")
+        parts = write_parts(out, int(opts.part_mb * (1 << 20)), env, opts.wheel)
+        log(f"{len(parts)} parts of at most {opts.part_mb:g} MiB ({parts[0].name} ...), {out.name}.parts.json and "
+            f"{out.name}.unpack.py: carry them to the node, then `python3 {out.name}.unpack.py` there")
     return out
 
 
-def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> dict[str, Any]:
-    """Copy the target, the chat data and the prompt files into dest/assets; return the config pointing there."""
+def named_asset_env(src: Path) -> str | None:
+    """The variable that points eyas at its own copy of `src`, when `src` is one of its named assets."""
+    from eyas import assets
+
+    for finder, var in ((assets.smollm2_gguf, "EYAS_SMOLLM2_GGUF"), (assets.sharegpt_path, "EYAS_SHAREGPT"),
+                        (assets.mtbench_path, "EYAS_MTBENCH")):
+        try:
+            if finder().resolve() == src.resolve():
+                return var
+        except EyasError:  # that asset's package is not installed here
+            continue
+    return None
+
+
+def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Copy the target, the chat data and the prompt files into dest/assets; return the config pointing there,
+    and the variables (eyas.assets') that point the named ones at their copies, as paths inside dest."""
     from eyas.assets import mtbench_path
     from eyas.data.readers import resolve_input
 
     assets = dest / "assets"
     assets.mkdir()
-    raw["target"] = bring_target(cfg.target, assets).relative_to(dest).as_posix()
+    target, source = bring_target(cfg.target, assets)
+    raw["target"] = target.relative_to(dest).as_posix()
+    copies = [(source, target)] if source else []  # (the original, its copy) of each file that may be named
     inputs = []
     for i, name in enumerate((raw.get("prepare") or {}).get("inputs") or ["sharegpt"]):
         source = resolve_input(str(name))
@@ -120,6 +142,7 @@ def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> dict[str, Any]:
         dst.parent.mkdir(exist_ok=True)
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
         inputs.append(dst.relative_to(dest).as_posix())
+        copies.append((src, dst))
     raw.setdefault("prepare", {})
     raw["prepare"] = {**(raw["prepare"] or {}), "inputs": inputs}
     ev = raw.get("eval") or {}
@@ -135,13 +158,17 @@ def bring_assets(raw: dict[str, Any], cfg: Any, dest: Path) -> dict[str, Any]:
         dst.parent.mkdir(exist_ok=True)
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
         prompts.append(f"{name or src.stem}={dst.relative_to(dest).as_posix()}")
+        copies.append((src, dst))
     raw["eval"] = {**ev, "prompts": ",".join(prompts)}
-    return raw
+    env = {var: dst.relative_to(dest).as_posix() for src, dst in copies if dst.is_file()
+           for var in [named_asset_env(src)] if var}
+    return raw, env
 
 
-def bring_target(name: str, assets: Path) -> Path:
+def bring_target(name: str, assets: Path) -> tuple[Path, Path | None]:
     """The target in its smallest faithful form: a GGUF file as it is (the alias: the GGUF it ships as), since
-    eyas converts it on arrival; anything else as the transformers folder it resolves to."""
+    eyas converts it on arrival; anything else as the transformers folder it resolves to. Returns the copy,
+    and the GGUF it copied (None: a folder)."""
     from eyas.assets import gguf_named, resolve_model
 
     try:
@@ -151,10 +178,10 @@ def bring_target(name: str, assets: Path) -> Path:
     (assets / "target").mkdir()
     if gguf is not None:
         shutil.copy2(gguf, assets / "target" / gguf.name)
-        return assets / "target" / gguf.name
+        return assets / "target" / gguf.name, gguf
     shutil.copytree(Path(resolve_model(name)), assets / "target", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("*.gguf", ".cache"))
-    return assets / "target"
+    return assets / "target", None
 
 
 def bring_wheels(opts: BundleOptions, dest: Path) -> dict[str, str]:
@@ -184,14 +211,23 @@ def bring_wheels(opts: BundleOptions, dest: Path) -> dict[str, str]:
     return pins
 
 
-def write_parts(folder: Path, part_bytes: int) -> list[Path]:
-    """folder as one tar stream cut into files of at most `part_bytes` (folder.tar.000, .001, ...)."""
-    for old in folder.parent.glob(f"{folder.name}.tar.*"):
-        old.unlink()
-    writer = _PartWriter(folder.parent / f"{folder.name}.tar", part_bytes)
-    with tarfile.open(fileobj=writer, mode="w|") as tar:
+def write_parts(folder: Path, part_bytes: int, env: dict[str, str], wheel: list[str]) -> list[Path]:
+    """folder as one gzip'd tar stream cut into files of at most `part_bytes` (folder.tar.gz.000, .001, ...),
+    with folder.parts.json (each part's size and sha256; `env`: variable -> path inside the folder; `wheel`:
+    the extra requirements to install) and folder.unpack.py, the script that joins and installs them."""
+    base = folder.parent
+    for old in [*base.glob(f"{folder.name}.tar.*"), base / f"{folder.name}.parts.json",
+                base / f"{folder.name}.unpack.py"]:
+        old.unlink(missing_ok=True)
+    writer = _PartWriter(base / f"{folder.name}.tar.gz", part_bytes)
+    with gzip.GzipFile(fileobj=writer, mode="wb", compresslevel=6, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w|") as tar:
         tar.add(folder, arcname=folder.name)
     writer.close()
+    parts = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in writer.parts]
+    atomic_write_json(base / f"{folder.name}.parts.json", {"format": "eyas.bundle-parts/1", "folder": folder.name,
+                                                           "parts": parts, "env": env, "wheels": list(wheel)})
+    shutil.copyfile(Path(__file__).with_name("bundle_unpack.py"), base / f"{folder.name}.unpack.py")
     return writer.parts
 
 
@@ -232,9 +268,11 @@ def readme(name: str, opts: BundleOptions, brought: dict[str, str]) -> str:
         f"Made for {made_for}. On a node with {has}{needs}, and no package index:",
         "",
         "```bash",
-        f"cat {name}.tar.* | tar -x   # only if it came as parts",
+        f"python3 {name}.unpack.py   # if it came as parts: checks, joins, installs, writes env.sh",
         f"cd {name}",
-        "pip install --no-index --find-links wheels eyas" + "".join(f" '{w}'" for w in opts.wheel),
+        "pip install --no-index --find-links wheels eyas" + "".join(f" '{w}'" for w in opts.wheel)
+        + "   # if it came as this folder",
+        ". ./env.sh                  # only to run configs from elsewhere: points eyas' named assets here",
         "eyas run config.yaml        # killed at a time limit? run it again: it resumes",
         "```",
         "",

@@ -1,8 +1,8 @@
 """torch.compile's artifacts kept with a training run, so that a run resumed on another machine (a spot
 instance, another node, a fresh container) does not compile everything again.
 
-Why: a fresh run's first step spends minutes in torch.compile building the draft layer's halves, the loss
-chunk and flex attention, forward and backward (docs/benchmarks.md, "Train"). Torch caches those on
+Why: a fresh run spends minutes in torch.compile building the draft layer's halves, the loss chunk and
+flex attention, forward and backward (docs/benchmarks.md, "Cold start"). Torch caches those on
 local disk (TORCHINDUCTOR_CACHE_DIR), which a new machine does not have;
 `torch.compiler.save_cache_artifacts` packs what this process compiled into one blob that
 `load_cache_artifacts` puts back into the local caches. The blob lives in OUT/train_state/, next to

@@ -73,6 +73,10 @@ class TrainConfig:
     attention: Literal["auto", "flex", "math"] = option("auto", help="TTT attention kernel: auto (flex on GPU).")
     compile: bool | None = option(None, show_default="auto: on for one GPU or DDP",
                                   help="torch.compile the draft layer and the loss.")
+    compile_in_background: bool = option(True, help="With --compile: the first steps run eagerly while a thread "
+                                         "compiles the draft, which then takes over (the first step comes before "
+                                         "the compiler is done; not with --fsdp). --no-compile-in-background: "
+                                         "compile first.")
     cuda_graph: bool | None = option(None, show_default="auto: on with --compile on one GPU",
                                      help="Replay each optimizer step as one CUDA graph (one GPU, one micro-batch "
                                           "per step).")

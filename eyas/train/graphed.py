@@ -12,13 +12,16 @@ How, within what a graph allows (fixed addresses, fixed shapes, no host syncs):
   the graph from the static document ids each step and copied into the captured mask's tensors;
 - AdamW is `capturable` with its learning rate in a device tensor that the scheduler fills;
 - the first `warmup` steps run eagerly on a side stream (they are real steps: torch.compile
-  builds its kernels, the optimizer its state), the next one is captured and then replayed.
+  builds its kernels, the optimizer its state), the next one is captured and then replayed; while
+  the draft compiles in the background (eyas.train.compiling), the steps stay eager, and the
+  `warmup` steps count from when its compiled code takes over.
 If capturing fails (an op that cannot be captured in some torch version), training goes on
 eagerly with one warning.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -45,12 +48,14 @@ class GraphedStep:
 
     def __init__(self, update: Update, prepare: Callable[[dict[str, Any]], dict[str, Any]],
                  opt: torch.optim.Optimizer, model: nn.Module, device: torch.device, flex: bool,
-                 host_embeds: bool, warmup: int = 2) -> None:
+                 host_embeds: bool, warmup: int = 2, ready: Callable[[], bool] = lambda: True) -> None:
         self.update, self.prepare = update, prepare
         self.opt, self.model, self.device = opt, model, device
         self.flex, self.host_embeds = flex, host_embeds
         self.warmup = warmup
+        self.ready = ready  # whether the compiled code has taken over (eyas.train.compiling): only then capture
         self.failed = False
+        self.capture_s = 0.0  # seconds the last capture took (the first-step line reports it)
         self.static: dict[str, Any] | None = None  # the batch buffers every replay reads
         self.docs: torch.Tensor | None = None  # [1, N] view of the static document ids
         self.block_mask: Any = None  # flex: the captured mask, refreshed in place
@@ -70,8 +75,11 @@ class GraphedStep:
         if not self._load(batch):
             return self.update([batch], None)  # another shape: this step runs eagerly
         if self.graph is None:
+            ready = self.ready()  # read once: the background thread may finish meanwhile
+            if not ready:
+                self.eager_left = max(self.eager_left, 1)  # steps of compiled code run before the capture
             if self.eager_left > 0:
-                self.eager_left -= 1
+                self.eager_left -= ready
                 return self._on_side_stream(lambda: self.update([self.static], self.block_mask))
             try:
                 self._capture()
@@ -116,6 +124,7 @@ class GraphedStep:
         return out
 
     def _capture(self) -> None:
+        t = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)  # gradients are allocated inside the graph, at fixed addresses
         graph = torch.cuda.CUDAGraph()
         # thread_local: DataLoader pin-memory threads may use CUDA while this thread captures
@@ -123,6 +132,7 @@ class GraphedStep:
             self.stats = self.update([self.static], self.block_mask)
         self.graph = graph
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool
+        self.capture_s = time.perf_counter() - t
 
 
 def _copy_block_mask(dst: Any, src: Any) -> bool:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eyas.train import distributed as D
+from eyas.train import startup
 from eyas.train.checkpointer import BEST_DRAFT, improves, save_checkpoint, save_draft
 from eyas.train.compile_cache import CACHE_FILE, save_compile_cache
 from eyas.train.metrics import MetricsLog, format_info
@@ -43,6 +44,9 @@ class _Session:
         self.steps_seen = self.empty_seen = 0  # this session's steps, and those with no valid token
         self.last_log_step = trainer.step
         self.warm: tuple[float, int] | None = None  # (time, step) when the session's first step was done
+        self.first_batch_s: float | None = None  # seconds until the session's first batch was in hand
+        self.compile0 = startup.compile_seconds()
+        self.cache_saved = False  # the compile cache was written (or found) in this session
         self.tokens_total = int(progress_state.get("tokens", 0))
         self.show = trainer.info.is_main
         self.bar = progress_bar(disable=None if self.show else True)
@@ -146,17 +150,40 @@ class _Session:
         """After the session's first step, which may also have compiled the draft: rates and ETAs
         count from here."""
         self.warm = time.perf_counter(), self.trainer.step
-        if self.warm[0] - self.t0 >= START_UP_NOTE_S and self.show:
-            self.log(f"first step done after {self.warm[0] - self.t0:.0f}s of start-up ({start_up_work(self.trainer)}"
-                     "); tok/s and ETA count from here")
+        before = startup.take()  # what ran before this loop (the target's start)
+        total = self.warm[0] - self.t0 + sum(before.values())
+        if total >= START_UP_NOTE_S and self.show:
+            self.log(f"first step done after {total:.0f}s of start-up ({self.start_up_parts(before)}); tok/s and ETA "
+                     "count from here")
         self.session_tokens = self.window_tokens = 0
         self.tw = self.warm[0]
         self.bar.reset(self.task, total=self.total_steps, completed=self.trainer.step, tokens=0, info="")
 
 
-def start_up_work(trainer: Trainer) -> str:
-    """What a first step's start-up did on this run's device, in words: only what happened here."""
-    return "loading the first batches" + ("; torch.compile of the draft, once per run" if trainer.compiled else "")
+    def compiled_now(self) -> None:
+        """Once the compiled draft runs: save the compile cache (for a resume on another machine) and, where
+        it compiled in the background, say from which step."""
+        self.cache_saved = True
+        if self.trainer.background is not None:
+            into = time.perf_counter() - self.t0
+            self.log(f"the draft runs compiled from step {self.trainer.step + 1} on, {into:.0f}s into training "
+                     "(torch.compile ran in the background meanwhile)")
+        if not (self.root / CACHE_FILE).is_file():
+            save_compile_cache(self.root)
+
+    def start_up_parts(self, before: dict[str, float]) -> str:
+        """Where the start-up's seconds went, in words: only what happened here. torch.compile runs inside the
+        first batch (the target's graphs) and the first step (the draft's), so it is a share of those."""
+        batch = self.first_batch_s or 0.0
+        parts = [f"{name} {s:.1f}s" for name, s in before.items()]
+        parts += [f"first batch {batch:.1f}s", f"first step {self.warm[0] - self.t0 - batch:.1f}s"]
+        compiled = startup.compile_seconds() - self.compile0
+        if compiled >= 0.05:
+            parts.append(f"of which torch.compile {compiled:.1f}s, once per run")
+        graphed = self.trainer.graphed
+        if graphed is not None and graphed.capture_s:
+            parts.append(f"CUDA graph capture {graphed.capture_s:.1f}s")
+        return ", ".join(parts)
 
 
 def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_per_epoch: int,
@@ -175,6 +202,8 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
         for epoch, step_in_epoch, micro in batches:
             if trainer.step >= total_steps:
                 break
+            if run.first_batch_s is None:
+                run.first_batch_s = time.perf_counter() - run.t0
             trainer.train_step(micro)
             run.count_tokens(micro, epoch, step_in_epoch, steps_per_epoch)
             is_last = run.is_last(stop_after)
@@ -186,9 +215,8 @@ def run_loop(trainer: Trainer, batches: Any, out: Path, total_steps: int, steps_
                 run.validate(validate)
             if saving:
                 save_checkpoint(trainer, run.root, dict(progress_state), cfg.keep_checkpoints)
-            if trainer.step == progress_state["start"] + 1 and trainer.compiled and run.show \
-                    and not (run.root / CACHE_FILE).is_file():
-                save_compile_cache(run.root)  # all compiled by now; for a resume on another machine
+            if trainer.compiled and run.show and not run.cache_saved and trainer.compile_ready():
+                run.compiled_now()
             if is_last:
                 break
             if run.warm is None:

@@ -239,9 +239,20 @@ def _lk_chunk(z: torch.Tensor, p: torch.Tensor, m: torch.Tensor, tid: torch.Tens
 _compiled: dict[str, Any] = {}
 
 
-def _loss_fn(spec: LossSpec, compiled: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """fn(z, p, m, tid, wv, grad_dtype) for the loss `spec` names, torch.compile'd when asked."""
-    fn = _ce_chunk if spec.kind == "ce" else partial(_lk_chunk, kind=spec.kind, eta=spec.eta)
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def loss_chunk_fn(spec: LossSpec) -> ChunkFn:
+    """fn(z, p, m, tid, wv, grad_dtype): one chunk's per-row loss, correct flags and logit gradient, uncompiled."""
+    return _ce_chunk if spec.kind == "ce" else partial(_lk_chunk, kind=spec.kind, eta=spec.eta)
+
+
+def _loss_fn(spec: LossSpec, compiled: bool | ChunkFn) -> ChunkFn:
+    """fn(z, p, m, tid, wv, grad_dtype) for the loss `spec` names, torch.compile'd when asked; `compiled` a
+    callable: that function (a caller's own compiled chunk, eyas.train.compiling)."""
+    if callable(compiled):
+        return compiled
+    fn = loss_chunk_fn(spec)
     if not compiled:
         return fn
     key = repr(spec)
@@ -262,7 +273,7 @@ class _FusedDraftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, probs: torch.Tensor, tids: torch.Tensor, mass: torch.Tensor | None,
                 wvalid: torch.Tensor | list[torch.Tensor], rows: torch.Tensor | list[torch.Tensor] | None, chunk: int,
-                spec: LossSpec, compiled: bool, *hiddens: torch.Tensor):
+                spec: LossSpec, compiled: bool | ChunkFn, *hiddens: torch.Tensor):
         # weight [V_d, H]; probs [M, V_d]; tids, mass [M]; wvalid [S, N] fp32 (or S x [N_j]); rows like wvalid
         # or None; hiddens S x [N_j, H]
         S = len(hiddens)
@@ -321,9 +332,9 @@ def _mass_for(target: TargetDist, spec: LossSpec) -> torch.Tensor | None:
 
 
 def fused_draft_ce(weight: torch.Tensor, hiddens: list[torch.Tensor], target: TargetDist,
-                   wvalid: torch.Tensor | list[torch.Tensor], chunk_elems: int = 1 << 25, compiled: bool = False,
-                   rows: torch.Tensor | list[torch.Tensor] | None = None, loss: LossSpec = LossSpec()
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   wvalid: torch.Tensor | list[torch.Tensor], chunk_elems: int = 1 << 25,
+                   compiled: bool | ChunkFn = False, rows: torch.Tensor | list[torch.Tensor] | None = None,
+                   loss: LossSpec = LossSpec()) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [V_d, H] (the draft's lm_head; no gradient computed when it is frozen), hiddens: per step
     the normed draft output [N, H], wvalid [S, N] = step weight * validity, rows [S, N]: the target row
     each step's row is scored against (None: row i + 1 + j, the TTT shift); steps of different lengths

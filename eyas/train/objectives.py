@@ -37,7 +37,9 @@ class TTTObjective(TTTModel):
     @classmethod
     def build(cls, draft: DraftModel, cfg: TrainConfig, compiled: bool, embed_table: Any) -> TTTObjective:
         built = cls(draft, TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
-                                     compile=compiled, reply_start_weight=cfg.reply_start_weight,
+                                     compile=compiled,  # FSDP gathers weights in its forward: compile first
+                                     compile_in_background=cfg.compile_in_background and not cfg.fsdp,
+                                     reply_start_weight=cfg.reply_start_weight,
                                      reply_start_tokens=cfg.reply_start_tokens, loss=cfg.loss_spec()))
         built.graphable = not draft.config.sliding_window  # a window's masks differ per step: built per batch
         return built

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eyas.train import startup
 from eyas.train.data import PackSchedule, iterate_batches
 from eyas.utils.io import EyasError
 
@@ -340,7 +341,8 @@ def open_online_target(opts: Any, info: Any, lengths: Any, budget: int, engine: 
     model = resolve_model(opts.model) if engine is None else str(opts.model)
     if layout.is_host and engine is None:
         max_len = int(min(budget, max(lengths))) + 1  # samples are cut to the budget in a pack
-        engine = start_engine(opts, info, model, max_len, budget, per_node)
+        with startup.timed("target load"):
+            engine = start_engine(opts, info, model, max_len, budget, per_node)
     served = spans and info.world > 1
     group = None
     if served:  # every rank: the spec, the layers and the head are rank 0's; the states travel on a group

@@ -80,15 +80,20 @@ class Trainer:
         self.window_empty = torch.zeros((), dtype=torch.float32, device=dev)  # steps since the last log, no valid row
         self.last_norm = torch.zeros((), device=dev)
         self.graphed: GraphedStep | None = None
+        self.background = getattr(model, "background", None)  # the draft compiling while the first steps run
         if graphed:
             self.graphed = GraphedStep(self.update, self.with_embeds, self.opt, self.draft, dev,
                                        flex=resolve_ttt_backend(cfg.attention) == "flex",
-                                       host_embeds=self.embed_table is not None)
+                                       host_embeds=self.embed_table is not None, ready=self.compile_ready)
 
     @property
     def mode(self) -> str:
         """"fp32" | "master" (bf16 weights, fp32 master copies) | "fsdp", for logs."""
         return self.strategy.name
+
+    def compile_ready(self) -> bool:
+        """Whether the compiled draft has taken over (always, unless it compiles in the background)."""
+        return self.background is None or self.background.ready
 
     def _fused_optimizer(self) -> bool:
         return self.device.type == "cuda" and self.strategy.fused_optimizer
@@ -154,6 +159,8 @@ class Trainer:
             stats = self.graphed(micro[0])
         else:
             stats = self.update(micro)
+        if self.background is not None:
+            self.background.start()  # after a first step: every compiled part has seen its inputs
         self.sched.step()
         self.step += 1
         self.window += stats

@@ -18,7 +18,6 @@ so the loss of a batch does not depend on how it is split over micro-batches and
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +27,12 @@ from torch import nn
 
 from eyas.model.attention import TTTAttention
 from eyas.model.eagle3 import Eagle3Draft
+from eyas.train.compiling import Background, CompiledOrEager
 from eyas.train.loss import (
     LossSpec,
     TargetDist,
     fused_draft_ce,
+    loss_chunk_fn,
     reference_draft_ce,
     reply_start_weights,
     step_validity,
@@ -46,6 +47,7 @@ class TTTConfig:
     decay: float = 0.8
     attention: str = "auto"  # math | flex | auto (flex on CUDA)
     compile: bool = False  # torch.compile the layer's two halves and the loss chunk (CUDA)
+    compile_in_background: bool = False  # with compile: eager first steps while a thread compiles the parts
     loss_chunk_elems: int = 1 << 25  # draft logits computed this many elements at a time
     fused_loss: bool = True  # False: plain autograd over full logits (reference, tests)
     reply_start_weight: float = 1.0  # loss weight of a reply's first `reply_start_tokens` tokens (1 = EAGLE-3's)
@@ -53,36 +55,21 @@ class TTTConfig:
     loss: LossSpec = LossSpec()  # the per-row loss: soft CE (EAGLE-3's) or an LK loss
 
 
-class _CompiledOrEager:
-    """A torch.compile'd function that falls back to eager, with one warning, if compiling fails."""
-
-    def __init__(self, fn: Any, name: str) -> None:
-        self.eager, self.name = fn, name
-        self.compiled: Any = torch.compile(fn, dynamic=False)
-
-    def __call__(self, *args: Any) -> Any:
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # a compiler bug must not end a training run
-                warnings.warn(f"torch.compile of {self.name} failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "running it eagerly", stacklevel=2)
-                self.compiled = None
-        return self.eager(*args)
-
-
-def compile_draft_layers(draft: Eagle3Draft) -> None:
+def compile_draft_layers(draft: Eagle3Draft, background: Background | None = None) -> None:
     """Compile each decoder layer's halves around the attention call and the final norm (static
     shapes, no Python state): fused elementwise work, and cheap intermediates recomputed in the
-    backward pass instead of kept."""
+    backward pass instead of kept. `background`: they run eagerly until it has compiled them."""
+
+    def wrap(fn: Any, name: str) -> CompiledOrEager:
+        part = CompiledOrEager(fn, name, deferred=background is not None)
+        return background.add(part) if background is not None else part
+
     for i, layer in enumerate(draft.layers):
-        if not isinstance(layer.attention_inputs, _CompiledOrEager):
-            layer.attention_inputs = _CompiledOrEager(layer.attention_inputs, f"layers.{i}.attention_inputs")
-            layer.finish = _CompiledOrEager(layer.finish, f"layers.{i}.finish")
-    if not isinstance(draft.norm.forward, _CompiledOrEager):
-        draft.norm.forward = _CompiledOrEager(draft.norm.forward, "norm")
+        if not isinstance(layer.attention_inputs, CompiledOrEager):
+            layer.attention_inputs = wrap(layer.attention_inputs, f"layers.{i}.attention_inputs")
+            layer.finish = wrap(layer.finish, f"layers.{i}.finish")
+    if not isinstance(draft.norm.forward, CompiledOrEager):
+        draft.norm.forward = wrap(draft.norm.forward, "norm")
 
 
 def shift_left(x: torch.Tensor, n: int, value: int = 0) -> torch.Tensor:
@@ -98,8 +85,12 @@ class TTTModel(nn.Module):
         self.draft = draft
         self.cfg = cfg
         self.weights = step_weights(cfg.steps, cfg.decay)
+        self.background = Background() if cfg.compile and cfg.compile_in_background else None
+        self.loss_chunk: Any = cfg.compile  # the fused loss' chunk: compiled (True), eager, or a deferred part
         if cfg.compile:
-            compile_draft_layers(draft)
+            compile_draft_layers(draft, self.background)
+        if self.background is not None:
+            self.loss_chunk = self.background.add(CompiledOrEager(loss_chunk_fn(cfg.loss), "loss", deferred=True))
 
     def _step_weights(self, device: torch.device) -> torch.Tensor:
         """[S] fp32 on `device`, made once (a pageable host->device copy would sync the stream)."""
@@ -144,7 +135,7 @@ class TTTModel(nn.Module):
         target = TargetDist(target_probs, target_ids, target_mass)
         if self.cfg.fused_loss:
             return fused_draft_ce(draft.lm_head.weight, outs, target, wvalid, self.cfg.loss_chunk_elems,
-                                  compiled=self.cfg.compile, loss=self.cfg.loss)
+                                  compiled=self.loss_chunk, loss=self.cfg.loss)
         return reference_draft_ce(draft.lm_head.weight, outs, target, wvalid, loss=self.cfg.loss)
 
 
