@@ -54,8 +54,10 @@ _LEGACY_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"
 
 
 def _text_fields(target_config: Any) -> dict[str, Any]:
-    """The text config of a transformers config as a dict, defaults filled in."""
-    return text_config(target_config).to_dict()
+    """The text config of a transformers config as a dict, defaults filled in (a plain namespace, as `eyas
+    plan` reads a config.json without transformers' classes, as its own fields)."""
+    text = text_config(target_config)
+    return text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
 
 
 def target_config_sha256(target_config: Any) -> str:
