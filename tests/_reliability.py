@@ -85,12 +85,31 @@ BAD_INPUTS = [
              r"splits plain English into \d+ tokens for \d+ words .* lost its merges"),
     BadInput("prepare", "--template-kwargs is not JSON",
              r"--template-kwargs is not valid JSON"),
+    BadInput("prepare", "--out is a folder eyas did not write",
+             r"--out .*foreign is a folder that `eyas prepare` did not write "
+             r"\(it holds notes\.txt.*Choose a new or empty folder"),
+    BadInput("prepare", "--out is a file",
+             r"--out .*afile is a file, not a folder: `eyas prepare` writes a folder there"),
+    BadInput("prepare", "--out where this user cannot write (/sys)",
+             r"--out /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a --out on a disk and folder this user can write"),
+    BadInput("prepare", "another process writes the same --out",
+             r"is being written by another eyas process \(`eyas prepare`, pid \d+ on .*pick another --out"),
     BadInput("regenerate", "input file does not exist",
              r"nope\.jsonl.*(not found|does not exist)"),
     BadInput("regenerate", "--temperature -1",
              r"sampling options out of range: need --temperature >= 0"),
     BadInput("regenerate", "GGUF target transformers cannot read",
              r"cannot read .*broken\.gguf.*damaged or truncated file fails too\. Give --model the model's safetensors"),
+    BadInput("regenerate", "--out is a file eyas did not write",
+             r"--out .*afile exists and `eyas regenerate` did not write it.*Choose another --out"),
+    BadInput("regenerate", "--out is a folder",
+             r"--out .*foreign is a folder; `eyas regenerate` writes a file there.*Give --out a file path"),
+    BadInput("regenerate", "--out where this user cannot write (/sys)",
+             r"--out /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a --out on a disk and folder this user can write"),
+    BadInput("regenerate", "another process writes the same --out",
+             r"is being written by another eyas process \(`eyas regenerate`, pid \d+ on .*pick another --out"),
     BadInput("extract", "--prepared is not a prepared dataset",
              r"nope is not a prepared dataset \(no manifest\.json\)\. Run `eyas prepare` first"),
     BadInput("extract", "prepared shard truncated",
@@ -110,6 +129,17 @@ BAD_INPUTS = [
              r"them uninitialized.*--allow-missing-weights"),
     BadInput("extract", "another process writes the same --out",
              r"is being written by another eyas process \(`eyas extract`, pid \d+ on .*pick another --out"),
+    BadInput("extract", "--out is a folder eyas did not write",
+             r"--out .*foreign is a folder that `eyas extract` did not write "
+             r"\(it holds notes\.txt.*Choose a new or empty folder"),
+    BadInput("extract", "--out is a file",
+             r"--out .*afile is a file, not a folder: `eyas extract` writes a folder there"),
+    BadInput("extract", "--out where this user cannot write (/sys)",
+             r"--out /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a --out on a disk and folder this user can write"),
+    BadInput("extract", "a write fails mid-run (file-size limit)",
+             r"store\.partial/\.tmp-shard-\d+\.safetensors: File too large\. A file outgrew this process' "
+             r"file-size limit"),
     BadInput("train", "the draft vocabulary misses every target token",
              r"training steps up to step \d+ had no valid token .*outside the draft vocabulary"),
     BadInput("train", "a NaN final norm in the store (extracted with --no-preflight)",
@@ -129,6 +159,14 @@ BAD_INPUTS = [
              r"give exactly one of --store \(offline\) or --prepared"),
     BadInput("train", "--aux-layers N (the last layer's output) on a store",
              r"--aux-layers for the store .* \[2, 8\]: \[8\] out of range .*valid: 0\.\.7"),
+    BadInput("train", "--out is a folder eyas did not write",
+             r"--out .*foreign is a folder that `eyas train` did not write "
+             r"\(it holds notes\.txt.*Choose a new or empty folder"),
+    BadInput("train", "--out is a file",
+             r"--out .*afile is a file, not a folder: `eyas train` writes a folder there"),
+    BadInput("train", "--out where this user cannot write (/sys)",
+             r"--out /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a --out on a disk and folder this user can write"),
     BadInput("export", "--draft is not a draft folder",
              r"empty is not a draft checkpoint: it has no config\.json"),
     BadInput("export", "draft weights truncated",
@@ -139,6 +177,14 @@ BAD_INPUTS = [
              r"--aux-layers \[7, 8, 9\]: \[9\] out of range for a target with 8 decoder layers"),
     BadInput("export", "--format sglang of a draft reading aux id N (the last layer's output)",
              r"SGLang captures the inputs of decoder layers 0\.\.7 only.*\[2, 4, 8\]\. Export --format vllm"),
+    BadInput("export", "--out is a folder eyas did not write",
+             r"--out .*foreign is a folder that `eyas export` did not write "
+             r"\(it holds notes\.txt.*Choose a new or empty folder"),
+    BadInput("export", "--out is a file",
+             r"--out .*afile is a file, not a folder: `eyas export` writes a folder there"),
+    BadInput("export", "--out where this user cannot write (/sys)",
+             r"--out /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a --out on a disk and folder this user can write"),
     BadInput("eval", "--draft does not exist",
              r"--draft .*nope does not exist: give the folder `eyas train` wrote"),
     BadInput("eval", "--chain is not numbers",
@@ -149,6 +195,16 @@ BAD_INPUTS = [
              r"config\.json has no media_placeholder_token_id, which vLLM reads to serve a draft"),
     BadInput("eval", "--temperature -1",
              r"--temperature must be >= 0"),
+    BadInput("eval", "--out is a folder eyas did not write",
+             r"--out .*foreign is a folder that `eyas eval` did not write "
+             r"\(it holds notes\.txt.*Choose a new or empty folder"),
+    BadInput("eval", "--out is a file",
+             r"--out .*afile is a file, not a folder: `eyas eval` writes a folder there"),
+    BadInput("eval", "--out where this user cannot write (/sys)",
+             r"--out /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a --out on a disk and folder this user can write"),
+    BadInput("eval", "another process writes the same --out",
+             r"is being written by another eyas process \(`eyas eval`, pid \d+ on .*pick another --out"),
     BadInput("run", "text where a number belongs",
              r"train\.lr = 'fast': expected a number"),
     BadInput("run", "a number where text belongs",
@@ -161,6 +217,22 @@ BAD_INPUTS = [
              r"bad\.yaml:5: not valid YAML"),
     BadInput("run", "config file does not exist",
              r"cannot read config .*nope\.yaml"),
+    BadInput("run", "workdir is a folder eyas did not write",
+             r"workdir .*foreign is a folder that `eyas run` did not write "
+             r"\(it holds notes\.txt.*Choose a new or empty folder"),
+    BadInput("run", "workdir is a file",
+             r"workdir .*afile is a file, not a folder: `eyas run` writes a folder there"),
+    BadInput("run", "workdir where this user cannot write (/sys)",
+             r"workdir /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a workdir on a disk and folder this user can write"),
+    BadInput("bundle", "--out is a folder eyas did not write",
+             r"--out .*foreign is a folder that `eyas bundle` did not write "
+             r"\(it holds notes\.txt.*Choose a new or empty folder"),
+    BadInput("bundle", "--out is a file",
+             r"--out .*afile is a file, not a folder: `eyas bundle` writes a folder there"),
+    BadInput("bundle", "--out where this user cannot write (/sys)",
+             r"--out /sys/eyas-out: cannot write in /sys \(.+\)\. "
+             r"Choose a --out on a disk and folder this user can write"),
 ]
 
 NOT_HANDLED = [

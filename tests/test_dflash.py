@@ -326,7 +326,7 @@ def test_import_of_a_checkpoint_sharing_the_targets_embedding_and_head(tmp_path,
     config = json.loads((out / "config.json").read_text())
     del config["eyas"]
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EyasError, match="--target"):
+    with pytest.raises(EyasError, match="pass --model <target model folder>"):
         import_draft(out)
     back = import_draft(out, target=target_dir)
     assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), back.state_dict().values(),

@@ -305,7 +305,7 @@ def test_import_eagle_checkpoint_uses_its_hardcoded_layers(tmp_path, target_dir)
     """EAGLE's checkpoints name no layers: its target code captures the inputs of layers 2, N//2, N-3."""
     draft = make_draft(target_dir, aux_layer_ids=(2, LAYERS // 2, LAYERS - 3))
     eagle_style_checkpoint(draft, tmp_path / "eagle", binary=True)
-    with pytest.raises(EyasError, match="--target"):
+    with pytest.raises(EyasError, match="pass --model <target model folder>"):
         import_draft(tmp_path / "eagle")
     back = import_draft(tmp_path / "eagle", target=target_dir)
     assert back.config.aux_layer_ids == [2, 4, 5]

@@ -143,7 +143,7 @@ def test_a_broken_cache_contract_is_caught_before_decoding(monkeypatch):
             self.pos -= 1
 
     monkeypatch.setattr(Lane, "update", misplaced)
-    with pytest.raises(EyasError, match="differ from a plain forward.*--engine generate"):
+    with pytest.raises(EyasError, match="static KV caches with .*differ from a plain forward"):
         GraphDecoder(model, 40, 4, [STOP], pad_id=0).generate(PROMPTS)
     assert model.config._attn_implementation == "sdpa"
 
@@ -156,5 +156,5 @@ def test_sliding_windows_are_refused_when_sequences_can_outgrow_them():
     short = [[3, 4, 5]]
     got = GraphDecoder(model, 16, 8, [STOP], 0).generate(short)
     assert got == one_at_a_time(model, short, 8, STOP)  # 11 tokens: inside the window
-    with pytest.raises(EyasError, match="sliding-window attention \\(16 tokens\\).*--max-length 17"):
+    with pytest.raises(EyasError, match="sliding-window attention \\(16 tokens\\).*reach 17 tokens"):
         GraphDecoder(model, 17, 8, [STOP], 0)

@@ -168,7 +168,7 @@ def test_unreadable_input_leaves_no_output_and_keeps_the_old_one(tmp_path, chat_
     assert (out / "manifest.json").read_text() == before
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("precious")
-    with pytest.raises(EyasError, match="refusing"):
+    with pytest.raises(EyasError, match="mine is a folder that `eyas prepare` did not write"):
         prepare(PrepareOptions(inputs=[str(chat_file)], out=tmp_path / "mine", num_workers=1))
     assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
 

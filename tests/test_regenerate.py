@@ -155,7 +155,8 @@ def test_bad_options_are_refused_before_any_work(tmp_path, tiny, tokenizer):
     window = tf.MistralForCausalLM(tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                     num_attention_heads=2, num_key_value_heads=1, sliding_window=64,
                                                     vocab_size=len(tokenizer))).eval()
-    with pytest.raises(EyasError, match="sliding-window attention \\(64 tokens\\).*--max-length 4096"):
+    with pytest.raises(EyasError, match="--engine static: .*sliding-window attention \\(64 tokens\\).*reach 4096 "
+                       "tokens; use --engine generate"):
         regen(src, tmp_path / "o.jsonl", model=window, tokenizer=tokenizer, engine="static")
     with pytest.raises(EyasError, match="--engine vllm loads the target itself"):
         regen(src, tmp_path / "o.jsonl", model=tiny, tokenizer=tokenizer, engine="vllm")

@@ -9,13 +9,17 @@ Bad inputs: each kind ends in one clear `eyas: error:` message, exit code 2, no 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,6 +291,7 @@ def truncate(b: bytes) -> bytes:
 
 
 HELD = []  # writer locks this process holds for the "another process writes" case
+AROUND = []  # what a case needs in force while its command runs (and only then)
 
 
 def edited_target(w: World, dest: Path, edit) -> Path:
@@ -345,7 +350,23 @@ def guard_args(b: BadInput, w: World, tmp: Path) -> list[str] | None:
         save_file(head, str(tmp / "nan-store" / "target_head.safetensors"))
         return s(tmp / "nan-store")
 
+    def held(stage: str, out: Path) -> Path:
+        HELD.append(writer_lock(out, stage))
+        HELD[-1].__enter__()
+        return out
+
+    def file_size_limit() -> list[str]:
+        AROUND.append(limited_file_size(16 << 10))
+        return ["extract", "--prepared", s(w.prepared), "--model", s(w.target), *extract, "--shard-mb", "0.05"]
+
     cases = {
+        ("prepare", "another process writes the same --out"): lambda: [
+            "prepare", s(w.chat), "--model", s(w.target), "--out", s(held("prepare", tmp / "out"))],
+        ("regenerate", "another process writes the same --out"): lambda: [
+            "regenerate", s(w.chat), "--model", s(w.target), "--out", s(held("regenerate", tmp / "conv.jsonl"))],
+        ("eval", "another process writes the same --out"): lambda: [
+            "eval", "--draft", s(w.draft), "--model", s(w.target), "--out", s(held("eval", tmp / "eval"))],
+        ("extract", "a write fails mid-run (file-size limit)"): file_size_limit,
         ("prepare", "a tokenizer that spells English out (merges lost)"): lambda: [
             "prepare", s(w.chat), "--model", lost_merges(), "--out", s(tmp / "out"), "--num-workers", "1"],
         ("extract", "the checkpoint lacks a weight (lm_head)"): lambda: [
@@ -390,9 +411,63 @@ def planted_resume(w: World, tmp: Path, train: list[str]) -> list[str]:
     return ["train", "--store", str(w.store), *train, "--resume"]
 
 
+@contextlib.contextmanager
+def limited_file_size(limit: int):
+    """No file this process writes may grow past `limit` bytes: a write beyond fails with EFBIG, as on a full
+    disk (root cannot make a disk full or a folder read-only for itself; this limit holds for root too)."""
+    before, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def unwritable() -> str:
+    """An output path in a folder no process can create files in: /sys (EROFS, EPERM or EACCES, root too)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(dir="/sys"))
+    except OSError:
+        return "/sys/eyas-out"
+    pytest.skip("/sys takes new folders here")
+
+
+def output_args(stage: str, w: World, tmp: Path, out: str) -> list[str]:
+    """The stage's command line writing to `out` (`eyas run`: its workdir)."""
+    s = str
+    return {
+        "prepare": ["prepare", s(w.chat), "--model", s(w.target), "--out", out, "--num-workers", "1"],
+        "regenerate": ["regenerate", s(w.chat), "--model", s(w.target), "--out", out, "--device", "cpu"],
+        "extract": ["extract", "--prepared", s(w.prepared), "--model", s(w.target), "--out", out, "--device", "cpu"],
+        "train": ["train", "--store", s(w.store), "--out", out, *TRAIN_ARGS(w)],
+        "export": ["export", "--draft", s(w.draft), "--out", out],
+        "eval": ["eval", "--draft", s(w.draft), "--model", s(w.target), "--prompts", s(w.chat), "--out", out],
+        "bundle": ["bundle", s(run_config(w, tmp / "bundled")), "--out", out],
+        "run": ["run", s(tmp / "run.yaml")],
+    }[stage]
+
+
+def output_case(b: BadInput, w: World, tmp: Path) -> list[str] | None:
+    """The command line of a case of an output path a stage must refuse, or None. What it is given to refuse
+    (a folder holding notes.txt, a file) is made here; the test checks they are left as they were."""
+    where = {"is a folder eyas did not write": "foreign", "is a file eyas did not write": "afile", "is a file": "afile",
+             "is a folder": "foreign", "where this user cannot write (/sys)": "sys"}
+    kind = b.kind.removeprefix("--out ").removeprefix("workdir ")
+    if kind not in where:
+        return None
+    out = unwritable() if where[kind] == "sys" else str(tmp / where[kind])
+    if b.stage == "run":
+        (tmp / "run.yaml").write_text(yaml.safe_dump({"target": str(w.target), "workdir": out}))
+    return output_args(b.stage, w, tmp, out)
+
+
 def bad_input_args(b: BadInput, w: World, tmp: Path) -> list[str]:
     """The command line of one bad input (making the broken files it needs under `tmp`)."""
-    guarded = guard_args(b, w, tmp)
+    (tmp / "foreign").mkdir()
+    (tmp / "foreign" / "notes.txt").write_text("mine")
+    (tmp / "afile").write_text("mine")
+    guarded = guard_args(b, w, tmp) or output_case(b, w, tmp)
     if guarded is not None:
         return guarded
     s, empty = str, tmp / "empty"
@@ -483,10 +558,14 @@ def test_bad_input_ends_in_one_clear_error(bad, world, tmp_path, capsys, monkeyp
     capsys.readouterr()
     monkeypatch.setattr(sys, "argv", ["eyas", *args])
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))  # a GGUF that fails leaves nothing behind
-    with pytest.raises(SystemExit) as ended:
+    with pytest.raises(SystemExit) as ended, contextlib.ExitStack() as around:
+        while AROUND:
+            around.enter_context(AROUND.pop())
         main()
     err = capsys.readouterr().err
     assert ended.value.code == 2, err
+    assert [p.name for p in (tmp_path / "foreign").iterdir()] == ["notes.txt"], "a folder eyas did not write changed"
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == (tmp_path / "afile").read_text() == "mine"
     assert "Traceback" not in err and err.count("eyas: error:") == 1, err
     assert re.search(bad.expect, " ".join(err.split()), re.S), f"{bad.kind}: {err}"
     OUTCOMES.bad[(bad.stage, bad.kind)] = "clear error (exit 2)"

@@ -63,7 +63,7 @@ def check(cfg: DraftConfig, fmt: str, num_speculative_tokens: int) -> None:
     if fmt == "sglang" and cfg.draft_vocab_size != cfg.vocab_size:
         raise EyasError(f"SGLang's DFlash draft uses the target's lm_head over the whole vocabulary; this draft "
                         f"proposes from {cfg.draft_vocab_size} of {cfg.vocab_size} tokens. Export --format vllm, or "
-                        f"train with --draft-vocab-size {cfg.vocab_size}")
+                        f"train it with `eyas train --draft-vocab-size {cfg.vocab_size}`")
     if fmt == "sglang" and cfg.target_hidden_size != cfg.hidden_size:
         raise EyasError(f"SGLang sizes a DFlash fc as n x the draft's hidden size ({cfg.hidden_size}); this draft "
                         f"reads target states of size {cfg.target_hidden_size}: export --format vllm")

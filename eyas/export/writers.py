@@ -86,7 +86,7 @@ def _check_exportable(cfg: DraftConfig, fmt: str, num_speculative_tokens: int) -
         raise EyasError("speculators has no EAGLE-3 draft with an MLA layer: export --format vllm or sglang")
     if cfg.attention == "mla" and fmt == "sglang" and not cfg.q_lora_rank:
         raise EyasError("SGLang's MLA draft layer needs a query down-projection (q_lora_rank); this draft has none. "
-                        "Export --format vllm, or train with --mla-q-lora-rank N")
+                        "Export --format vllm, or train it with `eyas train --mla-q-lora-rank N`")
 
 
 def export_tensors(draft: Eagle3Draft, fmt: str, dtype: torch.dtype = torch.bfloat16,

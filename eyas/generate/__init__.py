@@ -65,12 +65,12 @@ def _static_or_padded(name: str, model: Any, tokenizer: Any, sampling: Sampling,
 
         try:
             return StaticGenerator(model, tokenizer, sampling, max_length, kv_cache_gb)
-        except EyasError as e:
+        except EyasError as e:  # the decoder's own words name no option (eval runs it too): these do
             if not fallback:
-                raise
+                raise EyasError(f"--engine static: {e}; use --engine generate") from e
             import typer
 
-            typer.echo(f"note: {e}: falling back to transformers' generate", err=True)
+            typer.echo(f"note: --engine static: {e}: falling back to transformers' generate", err=True)
     return PaddedGenerator(model, tokenizer, sampling, max_length)
 
 

@@ -100,13 +100,13 @@ def attention_of(model: Any) -> Iterator[None]:
     _register_attention()
     before = model.config._attn_implementation
     if not hasattr(model, "set_attn_implementation"):
-        raise EyasError("--engine static needs transformers >= 5 (PreTrainedModel.set_attn_implementation); "
-                        "use --engine generate")
+        raise EyasError("decoding over static KV caches needs transformers >= 5 "
+                        "(PreTrainedModel.set_attn_implementation)")
     model.set_attn_implementation(ATTN_NAME)
     try:
         if model.config._attn_implementation != ATTN_NAME:
             raise EyasError(f"{type(model).__name__} does not let its attention be replaced (transformers' "
-                            "AttentionInterface); use --engine generate")
+                            "AttentionInterface), which decoding over static KV caches needs")
         yield
     finally:
         model.set_attn_implementation(before)
@@ -210,8 +210,8 @@ class GraphDecoder:
         self.window = (getattr(self.config, "sliding_window", None) or 0) if sliding else 0
         if self.window and self.window < max_length:
             raise EyasError(f"{type(model).__name__} has sliding-window attention ({self.window} tokens), which "
-                            f"--engine static does not mask, and sequences here reach --max-length {max_length}; "
-                            "use --engine generate")
+                            f"decoding over static KV caches does not mask, and sequences here reach {max_length} "
+                            "tokens")
         self.lane_shapes = sorted(lanes or self._default_lanes(max_cache_bytes))
         if not self.lane_shapes or self.lane_shapes[-1][0] < max_length or min(r for _, r in self.lane_shapes) < 1:
             raise EyasError(f"lanes {self.lane_shapes} must include one of length >= {max_length}, each with rows")
@@ -300,14 +300,15 @@ class GraphDecoder:
         no_stop = torch.tensor([-1], device=self.device)
         lane = Lane(self.config.num_hidden_layers, 2, len(prompt) + steps + 1, steps + 1, no_stop, self.pad_id)
         seen: list[torch.Tensor] = []
-        what = f"--engine static with {type(self.model).__name__} and transformers {transformers.__version__}"
+        what = f"decoding over static KV caches with {type(self.model).__name__} and transformers " \
+               f"{transformers.__version__}"
         try:
             with attention_of(self.model):
                 self._prefill(lane, [0, 1], rows, record=seen)
                 for _ in range(steps):
                     self._step(lane, record=seen)
         except (TypeError, ValueError, RuntimeError, AttributeError) as e:
-            raise EyasError(f"{what} failed ({type(e).__name__}: {str(e)[:200]}); use --engine generate") from e
+            raise EyasError(f"{what} failed ({type(e).__name__}: {str(e)[:200]})") from e
         out = lane.out.tolist()
         worst = 0.0
         for r, row in enumerate(rows):
@@ -318,7 +319,7 @@ class GraphDecoder:
         tol = 1e-3 if self.dtype == torch.float32 else 6e-2
         if not worst <= tol:
             raise EyasError(f"{what}: logits over the static cache differ from a plain forward (max rel err "
-                            f"{worst:.2e} > {tol:.0e}); use --engine generate")
+                            f"{worst:.2e} > {tol:.0e})")
         self.checked = True
 
     # -- internals ---------------------------------------------------------------------------------

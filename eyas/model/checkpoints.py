@@ -260,7 +260,7 @@ def _foreign_aux_ids(c: dict[str, Any], layout: str, where: str, target_layers: 
     if target_layers > 0:  # EAGLE hard-codes the default rule; so do vLLM and SGLang without ids
         return default_aux_layer_ids(target_layers)
     raise EyasError(f"{where}: the checkpoint does not say which target layers it reads (EAGLE's own checkpoints "
-                    "never do): pass --target <target model folder> to use the default [2, N//2, N-3], or "
+                    "never do): pass --model <target model folder> to use the default [2, N//2, N-3], or "
                     "--aux-layers")
 
 
@@ -287,11 +287,11 @@ def _fill_missing(state: dict[str, torch.Tensor], cfg: DraftConfig, target: str 
     if "embed_tokens.weight" not in state:
         if target is None:
             raise EyasError(f"{where}: the checkpoint has no embed_tokens (SpecForge and EAGLE leave the target's "
-                            "embedding out): pass --target <target model folder> to copy it from the target")
+                            "embedding out): pass --model <target model folder> to copy it from the target")
         state["embed_tokens.weight"] = target_embedding(target)
     if "lm_head.weight" not in state and draft_class(cfg).head_from_target:  # the engines use the target's then
         if target is None or Vd != V:
-            raise EyasError(f"{where}: the DFlash checkpoint has no lm_head (it shares the target's): pass --target "
+            raise EyasError(f"{where}: the DFlash checkpoint has no lm_head (it shares the target's): pass --model "
                             "<target model folder> to copy it from the target")
         state["lm_head.weight"] = target_lm_head(target)
     if "d2t" not in state and "t2d" not in state:

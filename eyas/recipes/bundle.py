@@ -37,7 +37,15 @@ from typing import Any
 import typer
 import yaml
 
-from eyas.utils.io import EyasError, atomic_path, atomic_write_json, human_bytes, sha256_file
+from eyas.utils.io import (
+    EyasError,
+    atomic_path,
+    atomic_write_json,
+    check_output,
+    has_manifest,
+    human_bytes,
+    sha256_file,
+)
 from eyas.utils.schema import cli_command, option
 
 
@@ -75,7 +83,7 @@ def run_bundle(opts: BundleOptions, log: Any = print) -> Path:
 
     cfg = load_config(opts.config)
     build_stages(cfg, opts.config)  # a config that would not run is refused here, not on the node
-    out = Path(opts.out)
+    out = check_output(opts.out, "bundle", lambda p: has_manifest(p / "manifest.json", "eyas.bundle/1"))
     with atomic_path(out) as tmp:
         tmp.mkdir()
         raw = yaml.safe_load(Path(opts.config).read_text(encoding="utf-8")) or {}

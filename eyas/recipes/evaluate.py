@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eyas.assets import TARGET_FORMS
-from eyas.utils.io import EyasError, atomic_path, atomic_write_json, fingerprint_path, read_json, sha256_json
+from eyas.utils.io import (
+    EyasError,
+    atomic_path,
+    atomic_write_json,
+    check_output,
+    fingerprint_path,
+    has_manifest,
+    read_json,
+    sha256_json,
+    writer_lock,
+)
 from eyas.utils.resume import PartialLog, up_to_date
 from eyas.utils.schema import cli_command, option
 
@@ -158,13 +168,19 @@ def random_draft(target_path: str, target_model: Any, family: str) -> Any:
 
 
 def run_eval(opts: EvalOptions, log: Any = print) -> Path:
-    """`eyas eval` as a function: returns the output folder (reused when up to date)."""
-    from eyas.assets import resolve_model
-
+    """`eyas eval` as a function: returns the output folder (reused when up to date). One writer per output
+    folder: a second one gets an error naming this one."""
     if opts.draft != "random" and not Path(opts.draft).exists():
         raise EyasError(f"--draft {opts.draft} does not exist: give the folder `eyas train` wrote (OUT/draft), an "
                         "exported draft folder, or `random` for an untrained one")
-    out = Path(opts.out)
+    out = check_output(opts.out, "eval", lambda p: has_manifest(p / "manifest.json", FORMAT))
+    with writer_lock(out, "eval"):
+        return _run_eval(opts, out, log)
+
+
+def _run_eval(opts: EvalOptions, out: Path, log: Any) -> Path:
+    from eyas.assets import resolve_model
+
     target_path = resolve_model(opts.model)
     check_prepared_prompts(opts.prompts, target_path, opts.trust_remote_code)
     compared = [(_compare_label(p), _load_report(p)) for p in opts.compare]

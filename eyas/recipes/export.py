@@ -18,10 +18,10 @@ import typer
 import eyas
 from eyas.assets import TARGET_FORMS, resolve_model, serving_name
 from eyas.export.families import export_draft, family_writer
-from eyas.export.writers import ServeOptions
+from eyas.export.writers import EXPORT_FORMAT, ServeOptions
 from eyas.model.checkpoints import import_draft
 from eyas.model.layouts import FORMATS
-from eyas.utils.io import EyasError, fingerprint_path, sha256_json
+from eyas.utils.io import EyasError, check_output, fingerprint_path, has_manifest, read_json, sha256_json
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import cli_command, option
 
@@ -73,6 +73,7 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
     """Export the draft in `opts.format` (or all) under `opts.out`; returns the folders written or reused."""
     draft, out = Path(opts.draft), Path(opts.out)
     formats = list(FORMATS) if opts.format == "all" else [opts.format]
+    check_export_folders(out, formats if opts.format == "all" else None)
     model = _read_draft(opts, log)
     k = opts.num_speculative_tokens or family_writer(model.config).default_k(model.config)
     recorded = opts.verifier or getattr(model.config, "target", None)
@@ -92,7 +93,7 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
             log(f"{f}: {dest} is up to date")
             written.append(dest)
             continue
-        manifest = {"format": "eyas.export/1", "engine": f, "draft": str(draft.absolute()),
+        manifest = {"format": EXPORT_FORMAT, "engine": f, "draft": str(draft.absolute()),
                     "draft_sha256": fingerprint, "options": options, "options_sha256": options_sha256}
         try:
             export_draft(model, dest, f, serve, manifest=manifest)
@@ -108,8 +109,29 @@ def run_export(opts: ExportOptions, log: Any = print) -> list[Path]:
     return written
 
 
+def check_export_folders(out: Path, formats: list[str] | None) -> None:
+    """Refuse, before any work, an --out that export must not replace: each format's folder must be missing,
+    empty or an earlier export; with --format all (`formats`), so must OUT, the folder holding them."""
+    def export(p: Path) -> bool:
+        return has_manifest(p / "manifest.json", EXPORT_FORMAT)
+
+    check_output(out, "export", export if formats is None else lambda p: any(export(p / f) for f in formats))
+    for f in formats or []:
+        check_output(out / f, "export", export)
+
+
+def _is_draft_folder(path: Path) -> bool:
+    """An eyas draft checkpoint (what `--import` writes): its config and weights."""
+    try:
+        config = read_json(path / "config.json")
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "draft_vocab_size" in config and (path / "model.safetensors").is_file()
+
+
 def run_import(opts: ExportOptions, log: Any = print) -> Path:
     """Read a foreign EAGLE-3 checkpoint and write it to `opts.out` in eyas' own layout (contract 3)."""
+    check_output(opts.out, "export", _is_draft_folder)
     model = _read_draft(opts, log)
     model.save_pretrained(opts.out)
     cfg = model.config

@@ -30,6 +30,7 @@ from eyas.data.target_match import check_prepared_matches_target
 from eyas.engines.base import TargetEngine, group_batches
 from eyas.model.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from eyas.store import (
+    FORMAT,
     HiddenStore,
     ShardBuffer,
     ShardSpec,
@@ -45,7 +46,16 @@ from eyas.store import (
     split_shards,
     verify_store,
 )
-from eyas.utils.io import EyasError, human_bytes, read_json, sha256_file, sha256_json, writer_lock
+from eyas.utils.io import (
+    EyasError,
+    check_output,
+    has_manifest,
+    human_bytes,
+    read_json,
+    sha256_file,
+    sha256_json,
+    writer_lock,
+)
 from eyas.utils.progress import progress_bar
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import cli_command, option
@@ -281,6 +291,12 @@ def run_extract(opts: ExtractOptions, *, dataset: Any = None, engine_obj: Target
     receives this rank's tokens, seconds (first batch to last shard on disk), bytes written and total
     seconds (benchmarks read it). One writer per store: a second one gets an error naming this one.
     """
+    def store(p: Path) -> bool:
+        return has_manifest(p / "manifest.json", FORMAT)
+
+    check_output(opts.out, "extract", store)
+    check_output(partial_dir(opts.out), "extract", lambda p: store(p) or (p / "plan.json").is_file(),
+                 name=f"--out {opts.out}: its work folder")  # a killed run's shards, resumed from there
     with writer_lock(opts.out, "extract"):
         return _run_extract(opts, dataset, engine_obj, on_shard, stats)
 
@@ -309,6 +325,7 @@ def _run_extract(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | 
         plan = load_shard_specs(out)
     # the engine: built after the cheap checks, so a bad option fails in a second, not after loading 100 GB
     eng = engine_obj or _load_engine(opts, meta.aux_layer_ids)
+    ranks.log(compute_note(eng, opts))
     if opts.preflight:
         from eyas.engines.preflight import preflight_engine, preflight_inputs
 
@@ -330,6 +347,18 @@ def _run_extract(opts: ExtractOptions, dataset: Any, engine_obj: TargetEngine | 
         stats.update(tokens=tokens, seconds=dt, bytes=writer.bytes_written,
                      total_seconds=time.perf_counter() - t_start)
     return out
+
+
+def compute_note(eng: TargetEngine, opts: ExtractOptions) -> str:
+    """What the target computes in and where, as train and eval say theirs: --dtype and --device resolved."""
+    dtype = str(getattr(eng, "dtype", opts.dtype)).removeprefix("torch.")
+    if eng.name == "vllm":  # vLLM's workers compute; captures come back to this process
+        where = f"{'cuda' if torch.cuda.is_available() else 'cpu'} (vLLM, tensor parallel {eng.tp})"
+    elif opts.device_map is not None:
+        where = f"the devices --device-map {opts.device_map} chose"
+    else:
+        where = str(eng.device)
+    return f"extracting with the {eng.name} engine: the target computes in {dtype} on {where}"
 
 
 def _open_prepared(prepared: Path | None) -> Any:

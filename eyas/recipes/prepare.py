@@ -35,7 +35,16 @@ from eyas.data.media import ImageEncoder, SampleMedia, has_images, target_image_
 from eyas.data.prepared import FORMAT, SHARD_TOKENS, PreparedDataset, PreparedWriter
 from eyas.data.readers import BadRow, Row, SkipLog, Source, resolve_input
 from eyas.data.target_match import check_tokenizer_merges, tokenizer_sha256, vocab_size_of
-from eyas.utils.io import EyasError, atomic_path, read_json, remove_leftovers, sha256_json
+from eyas.utils.io import (
+    EyasError,
+    atomic_path,
+    check_output,
+    has_manifest,
+    read_json,
+    remove_leftovers,
+    sha256_json,
+    writer_lock,
+)
 from eyas.utils.progress import progress_bar
 from eyas.utils.schema import cli_command, option
 
@@ -254,13 +263,16 @@ def _chat_encoder(cfg: PrepareOptions, tokenizer: Any) -> ChatEncoder:
 
 
 def prepare(cfg: PrepareOptions) -> Path:
-    """Run the stage; returns the output folder (reused when inputs and options are unchanged)."""
+    """Run the stage; returns the output folder (reused when inputs and options are unchanged). One writer
+    per output folder: a second one gets an error naming this one."""
     if not cfg.inputs:
         raise EyasError("no inputs: give chat files or dataset names, e.g. `eyas prepare sharegpt`")
-    out = Path(cfg.out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "manifest.json").is_file())):
-        raise EyasError(f"--out {out} exists and is not a prepared dataset; refusing to replace it. "
-                        "Choose another --out or remove it.")  # fmt: skip
+    out = check_output(cfg.out, "prepare", lambda p: has_manifest(p / "manifest.json", FORMAT))
+    with writer_lock(out, "prepare"):
+        return _prepare(cfg, out)
+
+
+def _prepare(cfg: PrepareOptions, out: Path) -> Path:
     sources = [resolve_input(name) for name in cfg.inputs]  # fails fast on a missing file
     tokenizer, resolved = load_tokenizer(cfg.model)
     encoder = _chat_encoder(cfg, tokenizer)

@@ -20,7 +20,15 @@ import typer
 from eyas.assets import TARGET_FORMS
 from eyas.data.readers import SkipLog, Source, resolve_input
 from eyas.generate import GENERATORS, Sampling, Stats, generator_target, resolve_generator, run_generator
-from eyas.utils.io import EyasError, atomic_path, atomic_write_json, sha256_json
+from eyas.utils.io import (
+    EyasError,
+    atomic_path,
+    atomic_write_json,
+    check_output,
+    has_manifest,
+    sha256_json,
+    writer_lock,
+)
 from eyas.utils.progress import progress_bar
 from eyas.utils.resume import PartialLog, up_to_date
 from eyas.utils.schema import cli_command, option, subset
@@ -79,7 +87,15 @@ def run_regenerate(opts: RegenerateOptions, *, model: Any = None, tokenizer: Any
     """Rewrite the assistant turns of `opts.inputs` into `opts.out` (JSONL); returns it. `model` (with its
     `tokenizer`) is an already loaded target that replaces `opts.model`; `on_batch(b)` runs after batch b
     is saved (tests use it to simulate a crash). Past `max_time` the batches finished so far are written,
-    marked incomplete, and the same call resumes the rest."""
+    marked incomplete, and the same call resumes the rest. One writer per output file: a second one gets an
+    error naming this one."""
+    out = check_output(opts.out, "regenerate", lambda p: has_manifest(p.with_name(p.name + ".manifest.json"), FORMAT),
+                       file=True)
+    with writer_lock(out, "regenerate"):
+        return _run_regenerate(opts, out, model, tokenizer, on_batch)
+
+
+def _run_regenerate(opts: RegenerateOptions, out: Path, model: Any, tokenizer: Any, on_batch: Any) -> Path:
     from eyas.assets import resolve_model
     from eyas.utils.devices import resolve_device
 
@@ -87,7 +103,6 @@ def run_regenerate(opts: RegenerateOptions, *, model: Any = None, tokenizer: Any
     run_device = resolve_device(opts.device) if model is None else next(model.parameters()).device
     batch_size = opts.batch_size or (1024 if run_device.type == "cuda" else 32)
     name = resolve_generator(opts.engine, run_device)
-    out = Path(opts.out)
     sources = [resolve_input(str(i)) for i in opts.inputs]
     model_name = resolve_model(opts.model) if model is None else getattr(model.config, "name_or_path", "")
     options = {"format": FORMAT, "inputs": [s.fingerprint() for s in sources], "model": model_name,

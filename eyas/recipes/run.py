@@ -28,7 +28,7 @@ import yaml
 from rich.console import Console
 
 from eyas.recipes.launch import assign_processes
-from eyas.utils.io import EyasError, atomic_write_json, read_json, sha256_json
+from eyas.utils.io import EyasError, atomic_write_json, check_output, read_json, sha256_json
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import from_mapping, option, to_mapping
 
@@ -231,10 +231,12 @@ def run_pipeline(cfg: RunConfig, config_path: Path, force: set[str] = frozenset(
             raise EyasError(f"--force {stage}: not a stage; stages: {', '.join(STAGES)}")
     stages = build_stages(cfg, config_path)  # every section checked before anything runs
     work = Path(cfg.workdir or Path("runs") / config_path.stem)
-    work.mkdir(parents=True, exist_ok=True)
+    ledger = work / "run_state.json"  # also what marks the folder as a run's, from its start
+    check_output(work, "run", lambda p: (p / ledger.name).is_file(), name="workdir")
+    if not ledger.is_file():
+        atomic_write_json(ledger, {})
     console.print(f"[bold]eyas run[/] {config_path} → {work}  (target: {cfg.target}, "
                   f"{'online' if cfg.online else 'offline'} training)")
-    ledger = work / "run_state.json"
     for st, key in zip(stages, stage_keys(stages), strict=True):
         if st.name not in force and up_to_date(ledger, key, *st.outputs, entry=st.name):
             console.print(f"[green]✓ {st.name}[/] up to date, skipped")

@@ -31,7 +31,16 @@ import typer
 from eyas.assets import TARGET_FORMS
 from eyas.model.config import MLA_DIMS, DraftConfig, DraftOptions
 from eyas.train.config import TrainConfig
-from eyas.utils.io import EyasError, atomic_write_json, fingerprint_path, read_json, sha256_json, writer_lock
+from eyas.utils.io import (
+    EyasError,
+    atomic_write_json,
+    check_output,
+    fingerprint_path,
+    has_manifest,
+    read_json,
+    sha256_json,
+    writer_lock,
+)
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import cli_command, option, subset
 
@@ -409,8 +418,16 @@ class TrainRecipe:
 def run_train(opts: TrainOptions, *, engine: Any = None, log: Any = None, stop_after: int = 0) -> dict[str, Any]:
     """Train and write OUT/draft (or reuse an up-to-date OUT); returns OUT/manifest.json's content. One
     writer per run folder: a second one gets an error naming this one."""
+    check_output(opts.out, "train", is_train_folder)
     with writer_lock(opts.out, "train"):
         return TrainRecipe(opts, engine=engine, log=log, stop_after=stop_after).run()
+
+
+def is_train_folder(path: Path) -> bool:
+    """Did `eyas train` write `path`: its manifest, or what a run writes before it (resumed): checkpoints,
+    metrics, TensorBoard's folder (made first)?"""
+    return (has_manifest(path / "manifest.json", TRAIN_STATE_FORMAT) or (path / "train_state").is_dir()
+            or (path / "metrics.jsonl").is_file() or (path / "tensorboard").is_dir())
 
 
 def read_target_config(name: str, trust_remote_code: bool = False) -> Any:

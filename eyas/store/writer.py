@@ -364,8 +364,8 @@ class StoreWriter:
             yield
         except OSError as e:
             path.unlink(missing_ok=True)
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):  # named here: the writer's own error names no file
+                raise OSError(e.errno, e.strerror, str(e.filename or path)) from e
             kept = sum(1 for s in self.plan if self.done(s))
             free = shutil.disk_usage(self.partial).free
             raise EyasError(f"no space left writing {path}: the store needs about {human_bytes(self.bytes_needed())} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -12,7 +13,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,96 @@ def _locked(path: Path, out: Path) -> Any:
         except FileNotFoundError:
             pass
         f.close()  # its holder removed it between our open and our lock: take the new one
+
+
+def has_manifest(path: str | os.PathLike, fmt: str) -> bool:
+    """Does the JSON file `path` record eyas' format `fmt` (any version: "eyas.export/1" matches "eyas.export/2")?"""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and str(data.get("format", "")).split("/")[0] == fmt.split("/")[0]
+
+
+def check_output(out: str | os.PathLike, stage: str, owned: Callable[[Path], bool], *, name: str = "--out",
+                 file: bool = False) -> Path:
+    """Refuse, before any work, an output path that `eyas STAGE` must not replace or cannot write.
+
+    Accepted: a missing path, an empty folder, and what `owned` recognizes as the stage's own earlier output
+    (its manifest: a rerun resumes, reuses or replaces it). Refused, in one EyasError line naming the path and
+    what to do: a folder eyas did not write (a stage renames its output into place, which would delete it), a
+    file where a folder goes (or, with `file`, a folder where the stage's file goes, or a file it did not
+    write), a file among the parents, and a place this process cannot create files in (tried, not guessed
+    from permission bits: root passes those on a read-only disk). `name` is how the user gave the path."""
+    out = Path(out)
+    where = f"{name} {out}"
+    for parent in reversed(out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise EyasError(f"{where}: {parent} is a file, not a folder, so nothing can be written under it. "
+                            f"Choose another {name}, or move that file away")
+    if out.is_dir():
+        if file:
+            raise EyasError(f"{where} is a folder; `eyas {stage}` writes a file there and would replace the folder. "
+                            f"Give {name} a file path, e.g. {out / 'conversations.jsonl'}")
+        held = sorted(e.name for e in out.iterdir() if not _LEFTOVER.fullmatch(e.name))
+        if held and not owned(out):
+            more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+            raise EyasError(f"{where} is a folder that `eyas {stage}` did not write (it holds {held[0]}{more}, and no "
+                            f"eyas {stage} manifest); eyas does not write over what it did not make. Choose a new or "
+                            f"empty folder for {name}, or remove this one yourself")
+    elif out.exists():
+        if not file:
+            raise EyasError(f"{where} is a file, not a folder: `eyas {stage}` writes a folder there. Choose another "
+                            f"{name}, or move the file away")
+        if not owned(out):
+            raise EyasError(f"{where} exists and `eyas {stage}` did not write it (no eyas manifest beside it), so it "
+                            f"will not be replaced. Choose another {name}, or remove the file yourself")
+    _check_writable(out.parent, where, name)
+    if out.is_dir():  # some stages write inside it (checkpoints, a redrawn report)
+        _check_writable(out, where, name)
+    return out
+
+
+def _check_writable(folder: Path, where: str, name: str) -> None:
+    """Create (and remove) a folder in `folder`, or its nearest existing parent, as the stage's writes will."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".tmp-probe-{_owner()}-", dir=probe))
+    except OSError as e:
+        raise EyasError(f"{where}: cannot write in {probe} ({e.strerror or e}). Choose a {name} on a disk and "
+                        "folder this user can write, or fix that folder's permissions") from None
+
+
+def as_os_error(e: BaseException) -> OSError | None:
+    """`e` as an OSError when it is one, or reports one: safetensors' writer says "I/O error: No space left on
+    device (os error 28)" in an error of its own, with no path."""
+    if isinstance(e, OSError):
+        return e
+    m = re.search(r"I/O error: (.+?) \(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return OSError(int(m.group(2)), f"writing a safetensors file: {m.group(1)}") if m else None
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError that escaped a stage (a disk filled up, a folder turned read-only mid-run), as the one line
+    `eyas: error:` prints: what failed, on which path, and what to do."""
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    what = f"{paths}: {e.strerror}" if paths and e.strerror else e.strerror or str(e)
+    todo = {errno.ENOSPC: "free some space (or choose another output folder) and rerun the same command: finished "
+                          "work is kept",
+            errno.EDQUOT: "free some space within your quota and rerun the same command",
+            errno.EACCES: "choose an output folder this user can write, or fix the permissions, and rerun",
+            errno.EPERM: "choose an output folder this user can write, or fix the permissions, and rerun",
+            errno.EROFS: "the disk is mounted read-only: choose an output folder on a writable disk",
+            errno.ENOTDIR: "a file stands where a folder is needed: move it away or choose another path",
+            errno.EISDIR: "a folder stands where a file is needed: move it away or choose another path",
+            errno.EEXIST: "something already exists there: move it away or choose another path",
+            errno.ENOENT: "check that the path exists (and was not removed while eyas ran)",
+            errno.EFBIG: "a file outgrew this process' file-size limit (ulimit -f) or the filesystem's: raise the "
+                         "limit or choose another output folder, then rerun the same command"}
+    hint = todo.get(e.errno, "check the path and the disk, then rerun the same command")
+    return f"{what}. {hint[0].upper()}{hint[1:]}"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

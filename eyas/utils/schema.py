@@ -215,6 +215,7 @@ def cli_command(cls: type[T], run: Callable[[T], Any]) -> Callable[..., None]:
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__doc__ = cls.__doc__
+    command.options_class = cls  # type: ignore[attr-defined]  # what a command's hints are checked against
     return command
 
 

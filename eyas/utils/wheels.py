@@ -61,8 +61,8 @@ def node_pins(path: Path | None) -> dict[str, str]:
     if path is None:
         return {}
     if not Path(path).is_file():
-        raise EyasError(f"--node-packages {path}: no such file. Write it on the node with: python -m pip freeze "
-                        f"--all > {Path(path).name}")
+        raise EyasError(f"--node-packages {path}: no such file. Write it on the node with: `python -m pip "
+                        f"freeze --all > {Path(path).name}`")
     pins = {}
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         m = _PIN.match(line.strip())
