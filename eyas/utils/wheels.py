@@ -14,8 +14,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from eyas.utils.io import EyasError
 
@@ -75,8 +78,39 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def wheel_requirements(wheel: Path, target: NodePython, node: dict[str, str], with_torch: bool) -> list[str]:
+    """The requirements of a wheel file in hand that the node lacks (markers evaluated for the node's Python).
+
+    Why: a package the node has is not resolved again, so its own tree (torch's CUDA libraries, pinned to
+    builds an index may not hold for that platform) never enters the resolution."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode("utf-8").splitlines()
+    env = {"python_version": target.python_version or f"{sys.version_info[0]}.{sys.version_info[1]}",
+           "sys_platform": "linux", "platform_system": "Linux", "extra": ""}
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.partition(":")[2].strip())
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        name = normalize(req.name)
+        if name not in node and (with_torch or not _TORCH_STACK.match(name)):
+            out.append(str(req))
+    return out
+
+
 def resolve(requirements: list[str], target: NodePython, node: dict[str, str], with_torch: bool) -> dict[str, str]:
-    """name -> version of every package `requirements` need on the node and it lacks."""
+    """name -> version of every package `requirements` need on the node and it lacks. A wheel file among
+    them stands for its requirements that the node lacks (`wheel_requirements`): it is in hand already."""
+    expanded: list[str] = []
+    for r in requirements:
+        is_wheel = r.endswith(".whl") and Path(r).is_file()
+        expanded += wheel_requirements(Path(r), target, node, with_torch) if is_wheel and node else [r]
+    requirements = expanded
+    if not requirements:
+        return {}
     with tempfile.TemporaryDirectory(prefix="eyas-resolve-") as tmp:
         constraints = Path(tmp) / "node.txt"
         # the node's versions steer the resolver where PyPI has them (not local builds such as torch 2.5+cu121)
