@@ -79,7 +79,8 @@ def _fallback(config: dict[str, Any], model: str, root: BaseException) -> EyasEr
     expects = (f"vLLM implements this model as {twins[0]}, which reads the original checkpoint's layout (its "
                f"config.json names {twins[0]}; its weights keep the original names) but not the one transformers' "
                "save_pretrained writes. Give vLLM the original model folder") if twins else (
-        "Use a model folder whose config names an architecture vLLM implements, or --engine hf")
+        "Use a model folder whose config names an architecture vLLM implements, or run it in transformers (the "
+        "engine other than vllm)")
     return EyasError(f"vLLM cannot start '{model}': its config.json names architectures {archs}, which vLLM has no "
                      "model class for, so it fell back to its Transformers backend, which failed "
                      f"({_first_line(root)}). {expects}")
@@ -100,7 +101,7 @@ def _mla(config: dict[str, Any], model: str, found: str) -> EyasError | None:
                                                 f"{CPU_MLA_LATENT[0]} + {CPU_MLA_LATENT[1]}")
     return EyasError(f"vLLM cannot run the MLA attention of '{model}' ({found}): its latent size kv_lora_rank + "
                      f"qk_rope_head_dim = {rank} + {rope} = {int(rank) + int(rope)}, and vLLM's MLA kernels take "
-                     f"{sizes}{cpu}. Use --engine hf for this target")
+                     f"{sizes}{cpu}. Run this target in transformers instead (the engine other than vllm)")
 
 
 def explain_vllm_error(e: BaseException, model: str) -> EyasError | None:
