@@ -80,7 +80,8 @@ def test_an_mla_geometry_the_kernels_refuse_names_its_dims_and_the_limit(tmp_pat
                   chained="context")
     text = one_line(explain_vllm_error(head, str(mla)))
     assert "(Head dimension 128 is not supported by MLA): its latent size kv_lora_rank + qk_rope_head_dim = 64 + 64 " \
-           "= 128, and vLLM's MLA kernels take" in text and text.endswith("Run this target in transformers instead (the engine other than vllm)"), text
+           "= 128, and vLLM's MLA kernels take" in text \
+        and text.endswith("Run this target in transformers instead (the engine other than vllm)"), text
     block = raised((RuntimeError, "Unsupported block size: 16"), (RuntimeError, ENGINE_DEAD), chained="context")
     assert "(Unsupported block size: 16): its latent size" in one_line(explain_vllm_error(block, str(mla)))
     # the same words from a target without MLA dims are not claimed
