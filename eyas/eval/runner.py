@@ -47,6 +47,7 @@ class EvalResult:
     sets: dict[str, dict[str, MethodStats]] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     serving: list[dict[str, Any]] = field(default_factory=list)  # rows of eyas.eval.serving, per batch size
+    recommendation: dict[str, Any] | None = None  # eyas.eval.recommend: what to serve at which concurrency
 
     def overall(self) -> dict[str, MethodStats]:
         """All prompt sets merged."""
@@ -76,7 +77,7 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": "eyas.eval/1", "meta": self.meta, "methods": self.methods, "results": self.table(),
-                "serving": self.serving, "records": self.records}
+                "serving": self.serving, "recommendation": self.recommendation, "records": self.records}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvalResult:
@@ -85,7 +86,7 @@ class EvalResult:
         sets = {name: {m: MethodStats.from_dict(v) for m, v in stats.items()}
                 for name, stats in d["results"].items() if name != "all"}
         return cls(meta=d["meta"], methods=d["methods"], sets=sets, records=d.get("records", []),
-                   serving=d.get("serving", []))
+                   serving=d.get("serving", []), recommendation=d.get("recommendation"))
 
 
 def check_draft_fits(draft: DraftModel, target_model: torch.nn.Module) -> None:
