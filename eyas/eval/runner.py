@@ -60,19 +60,22 @@ class EvalResult:
         return out
 
     def table(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """{set or 'all': {method: metrics dict with speedup against the target alone}}."""
+        """{set or 'all': {method: metrics dict with speedup against the target alone}}. 'all' takes the speedup
+        of the first batch size's serving row where it was timed in rounds (the median over the rounds)."""
         out = {}
         first = (self.meta.get("batch_sizes") or [1])[0]
-        noisy = {r["method"]: r["speedup_note"] for r in self.serving
-                 if r["batch_size"] == first and r.get("speedup_note")}
+        timed = {r["method"]: r for r in self.serving if r["batch_size"] == first}
         for set_name, stats in [*self.sets.items(), ("all", self.overall())]:
             base = stats.get(BASELINE)
             out[set_name] = {m: s.to_dict(base.tok_s if base else None) for m, s in stats.items()}
             for m, row in out[set_name].items():  # a speedup the timing cannot have given is not shown
                 per_forward = base.tokens_per_target_forward if base else None
                 row["speedup"], note = guarded_speedup(row["speedup"], row["tokens_per_target_forward"], per_forward)
-                if note or m in noisy:
-                    row["speedup"], row["speedup_note"] = None, note or noisy[m]
+                served = timed.get(m, {})
+                if set_name == "all" and "rounds" in served:
+                    row["speedup"], note = served["speedup"], served.get("speedup_note")
+                if note or served.get("speedup_note"):
+                    row["speedup"], row["speedup_note"] = None, note or served["speedup_note"]
         return out
 
     def to_dict(self) -> dict[str, Any]:
