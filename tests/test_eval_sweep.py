@@ -176,3 +176,18 @@ def test_cli_sweeps_per_batch_size_and_recommends_what_to_serve(chat_folder, tmp
     words = in_words(data, {}, tmp_path)
     if rec["method"] is not None:
         assert "For 3 requests in flight (measured at 2)" in words
+
+
+def test_sweep_options_are_checked_where_they_are_given():
+    from eyas.recipes.evaluate import EvalOptions, fingerprint, sweeping
+    from eyas.utils.io import EyasError
+
+    with pytest.raises(EyasError, match="--verify-budget 1: a round verifies at least 2 tokens a row"):
+        EvalOptions(draft="random", verify_budget=1)
+    with pytest.raises(EyasError, match="--serve-at 0: requests in flight"):
+        EvalOptions(draft="random", serve_at=0)
+    assert not sweeping(EvalOptions(draft="random"))  # one batch size: the methods asked for, as before
+    several = EvalOptions(draft="random", batch_sizes=[1, 16])
+    assert sweeping(several) and fingerprint(several, "t")["verify_budget"] == 1024
+    assert not sweeping(EvalOptions(draft="random", batch_sizes=[1, 16], sweep=False))
+    assert "verify_budget" not in fingerprint(EvalOptions(draft="random"), "t")  # earlier runs stay up to date

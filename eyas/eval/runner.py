@@ -7,7 +7,8 @@ Turn by turn, the target alone decodes every prompt first; its answer is the ref
 identity check and the answer that the next turn of the conversation is asked after. Then each method
 decodes the same prompts. Greedy decoding goes through eyas.eval.batch_decode (static caches, CUDA
 graphs on a GPU), at each of `batch_sizes` in turn: the target alone and every method at that batch
-size, one after the other, so the speedups at each size are measured side by side (`EvalResult.serving`).
+size, in timing rounds that take turns (eyas.eval.timing), so the speedups at each size are measured side
+by side (`EvalResult.serving`); with `verify_budget` the methods follow the batch size (eyas.eval.budget).
 The metrics per method and the records come from the first batch size. Sampling decodes one prompt at a
 time (eyas.eval.spec_decode).
 """

@@ -4,7 +4,9 @@ The target and the draft decode every prompt with KV caches (speculative decodin
 sampled with lossless rejection sampling); the target alone decodes the same prompts in the same
 run, for the speedup and, at temperature 0, to check the output is token-identical. Writes
 report.json, report.md and PNG plots (acceptance by position, tau by prompt set, tau against K)
-to --out; --compare overlays other reports. A killed run resumes from OUT.partial.jsonl. Example:
+to --out; --compare overlays other reports. A killed run resumes from OUT.partial.jsonl. Several
+--batch-size values sweep chains and trees per batch size and recommend what to serve at --serve-at
+(the fastest method, or the target alone), with the vLLM and SGLang commands. Example:
 
     eyas eval --draft runs/smollm2/draft --prompts mtbench --chain 3,5,7 --tree 60:7:10 --out runs/smollm2/eval
 """
