@@ -120,6 +120,8 @@ def test_a_noisy_clock_puts_no_impossible_speedup_in_the_report_or_the_closing_w
         assert ("too noisy" in line) == ((b, m) in noisy), line
     for m, v in report["results"]["all"].items():  # the per-method table too
         assert v["speedup"] is None or v["speedup"] <= v["tokens_per_target_forward"] + 1e-9, (m, v)
+        line = next(ln for ln in md.splitlines() if ln.startswith(f"| {m} |"))
+        assert ("too noisy" in line) == ((1, m) in noisy), line
     assert "the timing was too noisy to give a speedup" in md and "too noisy to give a speedup" in words
     for s, b, m in re.findall(r"([\d.]+)x at batch size (\d+) \(([^)]+)\)", words):
         assert (int(b), m) not in noisy and float(s) <= rows[(int(b), m)]["tokens_per_forward"], words
@@ -191,3 +193,22 @@ def test_sweep_options_are_checked_where_they_are_given():
     assert sweeping(several) and fingerprint(several, "t")["verify_budget"] == 1024
     assert not sweeping(EvalOptions(draft="random", batch_sizes=[1, 16], sweep=False))
     assert "verify_budget" not in fingerprint(EvalOptions(draft="random"), "t")  # earlier runs stay up to date
+
+
+def test_closing_words_serve_the_exported_folders(chat_folder, tmp_path):
+    """`eyas run`'s closing words give the recommended method's commands with the folders export wrote."""
+    from eyas.recipes.run import recommendation_in_words
+
+    rows = [_row(b, BASELINE, 1.0) for b in (1, 8)] + [_row(1, "chain-3", 1.4, 2.0), _row(8, "chain-3", 1.2, 2.0),
+                                                       _row(8, "chain-2", 1.1, 1.8)]
+    draft = chat_folder / "draft"
+    rec = recommendation(rows, None, None, {}, "tgt")
+    assert rec["method"] == "chain-3" and rec["serve"] == []  # the eval alone knew no draft config
+    for fmt in ("vllm", "sglang"):
+        (tmp_path / fmt).mkdir()
+    report = {"meta": {"draft": str(draft), "target": "tgt"}}
+    words = recommendation_in_words(rec, report, rows, tmp_path)
+    assert words[0] == "For 8 requests in flight, serve chain-3 (1.20x the target alone):"
+    vllm, sglang = words[1:]
+    assert f'"model": "{tmp_path / "vllm"}"' in vllm and '"num_speculative_tokens": 3' in vllm
+    assert f"--speculative-draft-model-path {tmp_path / 'sglang'}" in sglang

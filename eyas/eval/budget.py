@@ -14,8 +14,10 @@ methods per batch size as they do.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
+from eyas.utils.io import EyasError
 
 DEFAULT_VERIFY_BUDGET = 1024  # verify tokens per round, all rows together
 CHAIN_LADDER = (1, 2, 3, 5, 7)
@@ -54,3 +56,13 @@ def union(plan: dict[int, list[Method]]) -> list[Method]:
     for b in sorted(plan):
         out += [m for m in plan[b] if m not in out]
     return out
+
+
+def proposes(proposer: Any, method: Method) -> bool:
+    """Whether a family's proposer drafts this method (its `check` refuses what it cannot, e.g. a block drafter's
+    trees): a sweep leaves such candidates out instead of failing."""
+    try:
+        proposer.check(method)
+    except EyasError:
+        return False
+    return True

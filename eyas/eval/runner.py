@@ -26,13 +26,13 @@ import torch
 
 from eyas.eval.batch_decode import BatchDecoder
 from eyas.eval.batch_propose import BATCH_PROPOSERS, make_batch_proposer
-from eyas.eval.budget import sweep_plan, union
+from eyas.eval.budget import proposes, sweep_plan, union
 from eyas.eval.metrics import BASELINE, MethodStats, record_of
 from eyas.eval.prompts import PromptItem, PromptSet, render_prompt
 from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
 from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget, stop_token_ids
-from eyas.eval.timing import Timings, guarded_speedup, rotated, split_rounds
+from eyas.eval.timing import Timings, rotated, split_rounds, withhold_impossible
 from eyas.model.config import target_config_sha256
 from eyas.model.draft import DraftModel
 from eyas.utils.io import EyasError
@@ -64,19 +64,11 @@ class EvalResult:
         """{set or 'all': {method: metrics dict with speedup against the target alone}}. 'all' takes the speedup
         of the first batch size's serving row where it was timed in rounds (the median over the rounds)."""
         out = {}
-        first = (self.meta.get("batch_sizes") or [1])[0]
-        timed = {r["method"]: r for r in self.serving if r["batch_size"] == first}
         for set_name, stats in [*self.sets.items(), ("all", self.overall())]:
             base = stats.get(BASELINE)
             out[set_name] = {m: s.to_dict(base.tok_s if base else None) for m, s in stats.items()}
-            for m, row in out[set_name].items():  # a speedup the timing cannot have given is not shown
-                per_forward = base.tokens_per_target_forward if base else None
-                row["speedup"], note = guarded_speedup(row["speedup"], row["tokens_per_target_forward"], per_forward)
-                served = timed.get(m, {})
-                if set_name == "all" and "rounds" in served:
-                    row["speedup"], note = served["speedup"], served.get("speedup_note")
-                if note or served.get("speedup_note"):
-                    row["speedup"], row["speedup_note"] = None, note or served["speedup_note"]
+            withhold_impossible(out[set_name], base.tokens_per_target_forward if base else None, self.serving,
+                                (self.meta.get("batch_sizes") or [1])[0], rounds_speedup=set_name == "all")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,7 +183,7 @@ def evaluate_draft(
         decoder.proposer.check(m)  # e.g. trees are EAGLE-3's
     plan = {b: methods for b in batch_sizes}
     if verify_budget is not None:
-        plan = sweep_plan(batch_sizes, methods, verify_budget, lambda m: _can_draft(decoder, m))
+        plan = sweep_plan(batch_sizes, methods, verify_budget, lambda m: proposes(decoder.proposer, m))
         methods = union(plan)
     result = EvalResult(meta=_meta(target_model, draft, target, decoder, methods, temperature, top_p, max_new_tokens,
                                    seed),
@@ -216,15 +208,6 @@ def evaluate_draft(
     finally:
         target.close()
     return result
-
-
-def _can_draft(decoder: SpeculativeDecoder, method: Method) -> bool:
-    """Whether the draft proposes this method (a sweep leaves out what it cannot, e.g. trees of a block drafter)."""
-    try:
-        decoder.proposer.check(method)
-    except EyasError:
-        return False
-    return True
 
 
 def _static_caches_work(target_model: torch.nn.Module, draft: DraftModel, sets: list[PromptSet], tokenizer: Any,

@@ -160,3 +160,19 @@ def guarded_speedup(speedup: float | None, method_per_forward: float | None,
         return None, None
     note = noise_note(speedup, bound(method_per_forward, target_per_forward), [], [], [])
     return (None, note) if note else (speedup, None)
+
+
+def withhold_impossible(table: dict[str, dict[str, Any]], target_per_forward: float | None,
+                        serving: Sequence[dict[str, Any]], first_batch: int, rounds_speedup: bool) -> None:
+    """A metrics table ({method: MethodStats.to_dict}) with no speedup the timing cannot have given: each is
+    checked against its bound, and withheld where the `serving` row of `first_batch` (the same decoding, timed
+    in rounds) was; with `rounds_speedup`, that row's speedup (the median over the rounds) replaces it."""
+    timed = {r["method"]: r for r in serving if r["batch_size"] == first_batch}
+    for m, row in table.items():
+        row["speedup"], note = guarded_speedup(row["speedup"], row["tokens_per_target_forward"], target_per_forward)
+        served = timed.get(m, {})
+        if rounds_speedup and "rounds" in served:
+            row["speedup"] = served["speedup"]
+        note = note or served.get("speedup_note")
+        if note:
+            row["speedup"], row["speedup_note"] = None, note
