@@ -152,7 +152,8 @@ def _eval_stage(cfg: RunConfig, path: Path, draft: Path, out: Path, untrained: P
         return Stage("eval", trained, [after / "report.json"], lambda: evaluate.run_eval(trained))
     ev_untrained = _section(cfg, path, "eval", evaluate.EvalOptions,
                             {"model": cfg.target, "draft": str(untrained), "out": before, "label": "untrained",
-                             "baseline": False, "sweep": False})  # tau before training, not speed
+                             "baseline": False},
+                            section={**cfg.eval, "sweep": False})  # tau before training, not speed: no sweep
     ev_trained = _section(cfg, path, "eval", evaluate.EvalOptions,
                           {**owned, "compare": [str(before / "report.json")]})
 
