@@ -214,7 +214,7 @@ def _untimed_tables(md: str) -> str:
         elif not line.startswith("|"):
             header = []
         out.append("|".join(cells))
-    return "\n".join(out)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out))  # the blank line that followed a dropped note
 
 
 def debris(out: Path) -> list[str]:
