@@ -297,17 +297,27 @@ class _Evaluation:
     def warm_up(self, sets: list[PromptSet]) -> None:
         """A generation of every method (at every batch size, over static caches) on the first prompt: kernels,
         allocator, caches and autotuning settle before anything is timed."""
-        first = next((it for s in sets for it in s.items), None)
-        if first is None:
+        items = [it for s in sets for it in s.items]
+        if not items:
             return
-        ids = first.token_ids or render_prompt(self.tokenizer, [{"role": "user", "content": first.turns[0]}])
+        ids = self.first_turn(items[0])[:self.limit]
         if not self.static:
             for m in [None, *self.methods]:
-                self.generate(m, ids[:self.limit], self.seed, min(16, self.max_new_tokens))
+                self.generate(m, ids, self.seed, min(16, self.max_new_tokens))
             return
+        fits = [n for n in (len(self.first_turn(it)) for it in items) if n <= self.limit]
+        longest = max(fits or [len(ids)])  # the first turns' decoders: built once, not again for a longer prompt
         for batch in self.batch_sizes:  # every decoder that will be timed, built and run once
             for m in [None, *self.plan[batch]]:
-                self.decode(m, batch, [list(ids[:self.limit])], [self.seed])
+                self.batch_decoder(m, batch, longest)
+                self.decode(m, batch, [list(ids)], [self.seed])
+
+    def first_turn(self, item: PromptItem) -> list[int]:
+        """An item's first prompt, as `prompt_set` renders it."""
+        if item.token_ids is not None:
+            return list(item.token_ids)
+        system = [{"role": "system", "content": item.system}] if item.system else []
+        return render_prompt(self.tokenizer, [*system, {"role": "user", "content": item.turns[0]}])
 
     def prompt_set(self, pset: PromptSet) -> None:
         """Turn by turn: every conversation's turn is decoded (by the target, then each method) before the
