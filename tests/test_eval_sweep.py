@@ -177,7 +177,7 @@ def test_cli_sweeps_per_batch_size_and_recommends_what_to_serve(chat_folder, tmp
     assert any("## Recommendation" in line for line in logs)
     words = in_words(data, {}, tmp_path)
     if rec["method"] is not None:
-        assert "For 3 requests in flight (measured at 2)" in words
+        assert "For 3 requests in flight (measured at 2) on cpu" in words
 
 
 def test_sweep_options_are_checked_where_they_are_given():

@@ -155,7 +155,8 @@ def in_words(rec: dict[str, Any]) -> list[str]:
     elif stop is not None and stop == min(c.batch_size for c in choices):
         lines.append("Speculation did not pay at any batch size measured: serve the target alone.")
     at, measured = rec["serve_at"], rec["measured_at"]
-    where = f"{at} requests in flight" + (f" (measured at {measured})" if measured != at else "")
+    where = (f"{at} request{'s' * (at != 1)} in flight" + (f" (measured at {measured})" if measured != at else "")
+             + (f" on {rec['device']}" if rec.get("device") else ""))
     if rec["method"] is None:
         lines.append(f"No recommendation for {where}: its timing was too noisy.")
     elif rec["method"] == BASELINE:

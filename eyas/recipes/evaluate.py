@@ -276,6 +276,8 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
         result.serving = result.serving or serving_rows(1, runs_of(result.overall()))
     result.meta.update({"draft": opts.draft, "target": target_path, "prompts": opts.prompts})
     result.recommendation = recommend(result.serving, opts, target_path)
+    if result.recommendation is not None:
+        result.recommendation["device"] = result.meta.get("gpu") or result.meta.get("device")
     return result
 
 

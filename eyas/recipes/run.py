@@ -346,8 +346,8 @@ def recommendation_in_words(rec: dict[str, Any], report: dict[str, Any], rows: l
     folders = {fmt: export_dir / fmt for fmt in ("vllm", "sglang") if (export_dir / fmt).is_dir()}
     if config.is_file() and folders:
         with contextlib.suppress(EyasError):  # else the eval's own commands stand
-            rec = recommendation(rows, rec["serve_at"], DraftConfig.load(config), folders,
-                                 str(report["meta"].get("target", ""))) or rec
+            rec = {**(recommendation(rows, rec["serve_at"], DraftConfig.load(config), folders,
+                                     str(report["meta"].get("target", ""))) or rec), "device": rec.get("device")}
     return [w for w in recommendation_words(rec) if not w.startswith("At batch size")]  # said above
 
 
