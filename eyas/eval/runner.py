@@ -402,19 +402,24 @@ class _Evaluation:
         answers[i] = answers[i] or rec.get("answer")
 
     def decode(self, m: Method | None, batch: int, prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
-        """Every prompt with method m (None: the target alone): batched over static caches, or one at a time.
-        The wall time of all of them, read from `clock`, is shared among the answers by their new tokens."""
+        """Every prompt with method m (None: the target alone), timed with `clock`: batched over static caches (a
+        batch's wall time shared among its answers by their new tokens), or one at a time, each on its own."""
         if not prompts:
             return []
-        dec = self.batch_decoder(m, batch, max(len(p) for p in prompts)) if self.static else None
+        if not self.static:
+            return [self.timed(lambda ids=ids, s=s: [self.generate(m, ids, s, self.max_new_tokens)])[0]
+                    for ids, s in zip(prompts, seeds, strict=True)]
+        dec = self.batch_decoder(m, batch, max(len(p) for p in prompts))
+        return self.timed(lambda: dec.run(prompts))
+
+    def timed(self, run: Callable[[], list[Generation]]) -> list[Generation]:
+        """The generations `run` returns, their `seconds` the wall time it took (read from `clock`, the device
+        synchronized), shared by their new tokens."""
         dev = self.target.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = self.clock()
-        if dec is not None:
-            gens = dec.run(prompts)
-        else:
-            gens = [self.generate(m, ids, s, self.max_new_tokens) for ids, s in zip(prompts, seeds, strict=True)]
+        gens = run()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = self.clock() - t0
