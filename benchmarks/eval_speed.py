@@ -7,11 +7,18 @@
     serving table of `eyas eval --batch-size`), MT-Bench first turns.
 (c) the full quality eval (80 MT-Bench questions x 2 turns, 192 new tokens, chain-7 and the 60:7:10
     tree, float32), timed end to end, with the greedy identity check against the target.
-Each measurement is repeated; the tables give the median and the spread (min-max).
+(d) the recommendation against an exhaustive sweep, per batch size: the method `eyas eval --batch-size`'s sweep
+    picks (eyas.eval.budget, eyas.eval.recommend; the target alone is a candidate), its speedup measured again
+    in the exhaustive run of the same round (chains of 1-8 and every tree of the ladder at every batch size),
+    and that run's best. Goals: the pick >= 1.0x at every batch size, >= 1.3x at batch 16, >= 0.95 of the
+    exhaustive best; and the sweep's wall time against the default eval's (no sweep), goal <= ~2x.
+Each measurement is repeated, the cases interleaved round by round (benchmarks/common.py); the tables give
+the median and the spread (min-max), and a goal is met only by its whole range.
 
     PYTHONPATH=. python3 benchmarks/eval_speed.py --tables a
     PYTHONPATH=. python3 benchmarks/eval_speed.py --tables b --draft DRAFT --batch-sizes 1,16
     PYTHONPATH=. python3 benchmarks/eval_speed.py --tables c --draft DRAFT --quality-batch-sizes 16
+    PYTHONPATH=. python3 benchmarks/eval_speed.py --tables d --draft DRAFT --prompts 64 --sweep-batch-sizes 1,4,16,64
 """
 
 from __future__ import annotations
@@ -19,9 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from collections import Counter
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
 
 
 def spread(xs: list[float], fmt: str = "{:.1f}") -> str:
@@ -153,15 +167,84 @@ def table_bc(model, tok, args, which: str) -> None:
                                                                             rows.items()}}) + "\n")
 
 
+def table_d(model, tok, args) -> None:
+    """The sweep's pick at each batch size against an exhaustive sweep's best, round by round."""
+    from eyas.eval.budget import TREE_LADDER
+    from eyas.eval.metrics import BASELINE
+    from eyas.eval.prompts import mtbench_set
+    from eyas.eval.recommend import choose
+    from eyas.eval.runner import evaluate_draft
+    from eyas.recipes.evaluate import load_draft
+
+    draft = load_draft(args.draft, args.model_path, model, model.device, model.dtype)
+    sets = mtbench_set(args.prompts, 1)
+    sizes = [int(b) for b in args.sweep_batch_sizes.split(",")]
+    walls: dict[str, list[float]] = {"default": [], "sweep": [], "exhaustive": []}
+
+    def timed(name, **kw):
+        def case():
+            t0 = time.perf_counter()
+            res = evaluate_draft(model, tok, draft, sets, max_new_tokens=args.new, batch_sizes=sizes, progress=False,
+                                 **kw)
+            walls[name].append(time.perf_counter() - t0)
+            return res.serving
+        return case
+
+    default = dict(chain=[3, 5, 7], tree=["60:7:10"])
+    exhaustive = dict(chain=list(range(1, 9)), tree=[t.name.removeprefix("tree-") for t in TREE_LADDER])
+    _, ours, full = common.interleaved([timed("default", **default),
+                                        timed("sweep", **default, verify_budget=args.verify_budget),
+                                        timed("exhaustive", **exhaustive)], args.repeats)
+    print(f"\n(d) {len(sets.items)} MT-Bench first turns, {args.new} new tokens, {args.dtype}, greedy; draft "
+          f"{args.draft}; verify budget {args.verify_budget}; {args.repeats} rounds")
+    print("| batch | sweep's pick (rounds) | its speedup in the exhaustive run | exhaustive best (rounds) "
+          "| its speedup | pick / best | goals |")
+    print("| ---: | --- | ---: | --- | ---: | ---: | --- |")
+    for b in sizes:
+        picks, best_names, pick_s, best_s, ratios, noisy = Counter(), Counter(), [], [], [], 0
+        for o_rows, f_rows in zip(ours, full, strict=True):
+            pick = next(c for c in choose(o_rows) if c.batch_size == b)
+            at = {r["method"]: r["speedup"] for r in f_rows if r["batch_size"] == b}
+            top = max(((s, m) for m, s in at.items() if s is not None), default=(1.0, BASELINE))
+            best_names[top[1]] += 1
+            held = 1.0 if pick.method == BASELINE else at.get(pick.method) if pick.method else None
+            if held is None:
+                noisy += 1
+                continue
+            picks[pick.method] += 1
+            pick_s.append(held)
+            best_s.append(top[0])
+            ratios.append(held / top[0])
+        if not pick_s:
+            print(f"| {b} | too noisy in every round | - | - | - | - | - |")
+            continue
+        pick_sp, ratio = common.spread(pick_s), common.spread(ratios)
+        goals = [f">= 1.0x {common.verdict(pick_sp, 1.0)}", f">= 0.95 of best {common.verdict(ratio, 0.95)}"]
+        if b == 16:
+            goals.insert(1, f">= 1.3x {common.verdict(pick_sp, 1.3)}")
+        names = ", ".join(f"{m} x{n}" for m, n in picks.most_common())
+        print(f"| {b} | {names}{f' (noisy x{noisy})' if noisy else ''} | {pick_sp.show('.2f', 'x')} | "
+              f"{', '.join(f'{m} x{n}' for m, n in best_names.most_common())} | "
+              f"{common.spread(best_s).show('.2f', 'x')} | {ratio.show('.2f')} | {'; '.join(goals)} |")
+    cost = common.paired_ratio(walls["sweep"], walls["default"])
+    print(f"sweep wall time / default eval's: {cost.show('.2f', 'x')} (goal <= ~2x); default eval "
+          f"{common.spread(walls['default']).show('.0f', ' s')}")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"table": "d", "walls": walls, "sweep": ours, "exhaustive": full}) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", default="a,b,c")
-    ap.add_argument("--draft", help="a trained draft folder (tables b and c)")
+    ap.add_argument("--tables", default="a,b,c,d")
+    ap.add_argument("--draft", help="a trained draft folder (tables b, c and d)")
     ap.add_argument("--model", default="smollm2", help="`smollm2-shaped`: (a) only, a random model of its shape")
-    ap.add_argument("--prompts", type=int, default=16, help="MT-Bench questions for (a) and (b)")
+    ap.add_argument("--prompts", type=int, default=16, help="MT-Bench questions for (a), (b) and (d)")
     ap.add_argument("--new", type=int, default=192, help="new tokens per answer")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--quality-batch-sizes", default="16", help="batch sizes of the full quality eval (c)")
+    ap.add_argument("--sweep-batch-sizes", default="1,4,16,64", help="batch sizes of (d)")
+    ap.add_argument("--verify-budget", type=int, default=1024, help="(d): the sweep's verify tokens per round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="append the raw serving rows here")
     args = ap.parse_args()
@@ -179,7 +262,12 @@ def main() -> None:
         args.dtype = "float32" if which == "c" else "bfloat16"
         model = (smollm2_shaped(getattr(torch, args.dtype)) if shaped else
                  load_hf_model(args.model_path, getattr(torch, args.dtype), torch.device("cuda")).eval())
-        table_a(model, tok, args) if which == "a" else table_bc(model, tok, args, which)
+        if which == "a":
+            table_a(model, tok, args)
+        elif which == "d":
+            table_d(model, tok, args)
+        else:
+            table_bc(model, tok, args, which)
 
 
 if __name__ == "__main__":

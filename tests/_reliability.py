@@ -57,8 +57,9 @@ RERUNS = {
     "export": Rerun("every layout's weights, config, README and manifest"),
     "eval": Rerun("every generation, acceptance count and the acceptance plots (greedy decoding; finished "
                   "generations are kept in OUT.partial.jsonl)",
-                  "timings (`seconds`, `tok_s`, `tokens_per_s`, `speedup`, `created`) in report.json and report.md, "
-                  "and the speedup plot tau_vs_k.png: a resumed run times only what it redid"),
+                  "timings (`seconds`, `tok_s`, `tokens_per_s`, `speedup`, `speedup_range`, `speedup_note`, "
+                  "`created`) and the `recommendation` they decide, in report.json and report.md, and the speedup "
+                  "plot tau_vs_k.png: a resumed run times only what it redid"),
     "run": Rerun("every stage's outputs, as above", "as above, run_state.json's per-stage fingerprints and "
                  "seconds (they hash the work folder's own path), and summary.json's `in_words` (it quotes the "
                  "speedup)"),

@@ -31,7 +31,8 @@ from _reliability import BAD_INPUTS, STAGES, TABLE, BadInput, KillPoint, Outcome
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KILLPOINT = Path(__file__).parent / "_killpoint.py"
-TIMING = {"seconds", "elapsed", "tok_s", "tok_per_s", "tokens_per_s", "speedup", "created", "in_words"}  # wall-clock
+TIMING = {"seconds", "elapsed", "tok_s", "tok_per_s", "tokens_per_s", "speedup", "created", "in_words",  # wall-clock
+          "speedup_range", "speedup_note", "recommendation"}  # what the timing says and what it chooses
 SPEED_PLOT = "tau_vs_k.png"  # its second panel plots the measured speedup
 OUTCOMES = Outcomes()
 
@@ -201,19 +202,23 @@ def _checkpoint_state(path: Path) -> str:
 
 
 def _untimed_tables(md: str) -> str:
-    """Markdown with the cells of its tok/s and speedup columns blanked (eval's report.md)."""
-    out, header = [], []
+    """Markdown with the cells of its tok/s and speedup columns blanked, without the notes on noisy timing and the
+    recommendation section, which the timing decides (eval's report.md)."""
+    out, header, chosen = [], [], False
     for line in md.splitlines():
+        chosen = line == "## Recommendation" or (chosen and not line.startswith(("## ", "Plots:")))
+        if chosen or "the timing was too noisy to give a speedup" in line:
+            continue
         cells = line.split("|")
         if line.startswith("|") and not header:
             header = [c.strip() for c in cells]
         elif line.startswith("|") and not set(line) <= set("|-: "):
-            cells = [c if i >= len(header) or header[i] not in ("tok/s", "speedup") else " - " for i, c in
-                     enumerate(cells)]
+            cells = [c if i >= len(header) or header[i] not in ("tok/s", "speedup", "speedup (rounds' range)")
+                     else " - " for i, c in enumerate(cells)]
         elif not line.startswith("|"):
             header = []
         out.append("|".join(cells))
-    return "\n".join(out)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out))  # the blank line that followed a dropped note
 
 
 def debris(out: Path) -> list[str]:

@@ -4,7 +4,9 @@
 
 Plots (matplotlib Agg, no display needed): acceptance by draft position, tau by prompt set,
 tau and speedup against chain length K, and (when several batch sizes were measured) the serving
-curve: tokens/s and speedup against batch size. Compared runs are drawn dashed / hatched on the same axes.
+curve: tokens/s and speedup against batch size, and the fastest method at each batch size
+(eyas.eval.recommend). Compared runs are drawn dashed / hatched on the same axes. A speedup the timing
+could not have given (eyas.eval.timing) is printed as "too noisy", with the reason below its table.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from eyas.eval.metrics import BASELINE
+from eyas.eval.recommend import Choice
+from eyas.eval.recommend import in_words as recommendation_words
 from eyas.eval.runner import EvalResult
 from eyas.eval.serving import batch_sizes_of, is_curve
 from eyas.utils.io import EyasError, atomic_path, atomic_write_json, atomic_write_text, read_json
@@ -65,8 +69,7 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
             ident_s = "–" if ident is None else f"{ident:.0%} of {m['compared']}"
             row = (f"| {method} | {_fmt(m['tau'])} | {_fmt(m['tokens_per_target_forward'])} "
                    f"| {_fmt(m.get('draft_forwards_per_step'))} "
-                   f"| {_fmt(m['tok_s'], '.1f')} | {_fmt(m['speedup'])}{'x' if m['speedup'] else ''} | "
-                   f"{ident_s} |")
+                   f"| {_fmt(m['tok_s'], '.1f')} | {_speedup(m)} | {ident_s} |")
             for _, otable in others:
                 o = otable.get(set_name, {}).get(method)
                 ot = o["tau"] if o else None
@@ -74,6 +77,7 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
                 row += f" {_fmt(ot)} | {_fmt(dtau, '+.2f')} |"
             lines.append(row)
         lines.append("")
+        lines += _noise_notes(stats.values())
     overall = table["all"]
     spec = [(k, v) for k, v in overall.items() if k != BASELINE and v["max_accept"]]
     if spec:
@@ -95,26 +99,65 @@ def markdown_summary(result: EvalResult, label: str = "this run", compare: Compa
                   "Rerun with `--dtype float32` to check exactness.", ""]
     if is_curve(result.serving):
         lines += serving_table(result.serving)
+    if result.recommendation:
+        lines += recommendation_section(result.recommendation)
     lines += ["Plots: `acceptance_by_position.png`, `tau_by_prompt_set.png`, `tau_vs_k.png`"
-              + (", `serving_curve.png`" if is_curve(result.serving) else "") + ".", ""]
+              + (", `serving_curve.png`, `recommendation.png`" if is_curve(result.serving) else "") + ".", ""]
     return "\n".join(lines)
+
+
+def _speedup(row: dict[str, Any], with_range: bool = False) -> str:
+    """'1.39x', '1.39x (1.30-1.45)' with its rounds' range, or 'too noisy' where the timing cannot give one."""
+    if row.get("speedup_note"):
+        return "too noisy"
+    s = row.get("speedup")
+    if s is None:
+        return "–"
+    span = row.get("speedup_range") if with_range and row.get("rounds", 0) > 1 else None
+    return f"{s:.2f}x" + (f" ({span[0]:.2f}-{span[1]:.2f})" if span else "")
+
+
+def _noise_notes(rows: Any) -> list[str]:
+    """Why each 'too noisy' above gives no speedup."""
+    out = []
+    for r in rows:
+        if r.get("speedup_note"):
+            at = f" at batch size {r['batch_size']}" if "batch_size" in r else ""
+            out.append(f"- {r['method']}{at}: the timing was too noisy to give a speedup: {r['speedup_note']}.")
+    return [*out, ""] if out else []
+
+
+def recommendation_section(rec: dict[str, Any]) -> list[str]:
+    """The fastest way to decode at each batch size, where speculation stops paying, and the serve commands."""
+    lines = ["## Recommendation", "",
+             "The fastest way to decode at each batch size measured, the target alone (no draft) included.", "",
+             "| batch size | fastest | speedup |", "| ---: | --- | ---: |"]
+    for c in (Choice(**c) for c in rec["choices"]):
+        name = "target alone (no draft)" if c.method == BASELINE else c.method or "–"
+        lines.append(f"| {c.batch_size} | {name} | {'too noisy' if c.method is None else f'{c.speedup:.2f}x'} |")
+    words = recommendation_words(rec)
+    commands = [w.strip() for w in words if w.startswith("  ")]
+    lines += ["", *[w for w in words if not w.startswith("  ")]]
+    if commands:
+        lines += ["", "```bash", *commands, "```"]
+    return [*lines, ""]
 
 
 def serving_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The serving curve as Markdown: one row per batch size and method."""
     lines = ["## Serving curve (all sets)", "",
-             "Every method and the target alone decode the same prompts with this many requests in flight; "
-             "tok/s counts all of them over the wall-clock time, and speedup is against the target alone at the "
-             "same batch size.", "",
-             "| batch size | method | tok/s | speedup | tokens / target forward | identical to target |",
+             "Every method and the target alone decode the same prompts with this many requests in flight, in "
+             "timing rounds that take turns; tok/s counts all of them over the wall-clock time, and speedup is the "
+             "median over the rounds of the method against the target alone at the same batch size.", "",
+             "| batch size | method | tok/s | speedup (rounds' range) | tokens / target forward "
+             "| identical to target |",
              "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for b in batch_sizes_of(rows):
         for r in (r for r in rows if r["batch_size"] == b):
             same = r.get("identical")
-            lines.append(f"| {b} | {r['method']} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                         f"{_fmt(r['speedup'])}{'x' if r['speedup'] is not None else ''} | "
+            lines.append(f"| {b} | {r['method']} | {_fmt(r['tokens_per_s'], '.1f')} | {_speedup(r, True)} | "
                          f"{_fmt(r['tokens_per_forward'])} | {'–' if same is None else format(same, '.0%')} |")
-    return [*lines, ""]
+    return [*lines, "", *_noise_notes(rows)]
 
 
 # -- plots ------------------------------------------------------------------------------------------
@@ -292,6 +335,32 @@ def plot_serving_curve(result: EvalResult, path: Path, label: str, compare: Comp
     plt.close(fig)
 
 
+def plot_recommendation(result: EvalResult, path: Path, label: str, compare: Compared = ()) -> None:
+    """The fastest method's speedup at each batch size, named on its bar; 1.0 where the target alone was fastest,
+    no bar but 'too noisy' where the timing could not tell."""
+    plt = _plt()
+    choices = [Choice(**c) for c in result.recommendation["choices"]]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(choices)), 4.2))
+    xs = list(range(len(choices)))
+    ys = [c.speedup or 0.0 for c in choices]
+    bars = ax.bar(xs, ys, 0.6, color=["tab:gray" if c.method == BASELINE else "tab:blue" for c in choices],
+                  edgecolor="black", linewidth=0.4)
+    for x, c, bar in zip(xs, choices, bars, strict=True):
+        text = ("too noisy" if c.method is None else "target alone" if c.method == BASELINE
+                else f"{c.method}\n{c.speedup:.2f}x")
+        ax.annotate(text, (x, bar.get_height()), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
+    ax.set_xticks(xs, [str(c.batch_size) for c in choices])
+    ax.set_xlabel("batch size (requests in flight)")
+    ax.set_ylabel("speedup vs the target alone")
+    ax.set_ylim(0, max([1.0, *ys]) * 1.25)
+    ax.set_title(f"Fastest way to decode at each batch size: {label}")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def write_report(result: EvalResult, out_dir: str | Path, label: str = "this run", compare: Compared = (),
                  extra: dict[str, Any] | None = None) -> Path:
     """report.json, report.md and the PNG plots (three, four with a serving curve) into out_dir, each
@@ -316,6 +385,8 @@ def write_report(result: EvalResult, out_dir: str | Path, label: str = "this run
              ("tau_by_prompt_set.png", plot_tau_by_prompt_set), ("tau_vs_k.png", plot_tau_vs_k)]
     if is_curve(result.serving):
         plots.append(("serving_curve.png", plot_serving_curve))
+        if result.recommendation:
+            plots.append(("recommendation.png", plot_recommendation))
     for name, fn in plots:
         with atomic_path(out / name) as tmp:
             fn(result, tmp.with_suffix(".png"), label, compare)

@@ -7,7 +7,8 @@ Turn by turn, the target alone decodes every prompt first; its answer is the ref
 identity check and the answer that the next turn of the conversation is asked after. Then each method
 decodes the same prompts. Greedy decoding goes through eyas.eval.batch_decode (static caches, CUDA
 graphs on a GPU), at each of `batch_sizes` in turn: the target alone and every method at that batch
-size, one after the other, so the speedups at each size are measured side by side (`EvalResult.serving`).
+size, in timing rounds that take turns (eyas.eval.timing), so the speedups at each size are measured side
+by side (`EvalResult.serving`); with `verify_budget` the methods follow the batch size (eyas.eval.budget).
 The metrics per method and the records come from the first batch size. Sampling decodes one prompt at a
 time (eyas.eval.spec_decode).
 """
@@ -25,12 +26,13 @@ import torch
 
 from eyas.eval.batch_decode import BatchDecoder
 from eyas.eval.batch_propose import BATCH_PROPOSERS, make_batch_proposer
+from eyas.eval.budget import proposes, sweep_plan, union
 from eyas.eval.metrics import BASELINE, MethodStats, record_of
 from eyas.eval.prompts import PromptItem, PromptSet, render_prompt
 from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
-from eyas.eval.serving import ServingRun, serving_rows
 from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget, stop_token_ids
+from eyas.eval.timing import Timings, rotated, split_rounds, withhold_impossible
 from eyas.model.config import target_fingerprint_differs
 from eyas.model.draft import DraftModel
 from eyas.utils.io import EyasError
@@ -46,6 +48,7 @@ class EvalResult:
     sets: dict[str, dict[str, MethodStats]] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     serving: list[dict[str, Any]] = field(default_factory=list)  # rows of eyas.eval.serving, per batch size
+    recommendation: dict[str, Any] | None = None  # eyas.eval.recommend: what to serve at which concurrency
 
     def overall(self) -> dict[str, MethodStats]:
         """All prompt sets merged."""
@@ -58,17 +61,19 @@ class EvalResult:
         return out
 
     def table(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """{set or 'all': {method: metrics dict with speedup against the target alone}}."""
+        """{set or 'all': {method: metrics dict with speedup against the target alone}}. 'all' takes the speedup
+        of the first batch size's serving row where it was timed in rounds (the median over the rounds)."""
         out = {}
         for set_name, stats in [*self.sets.items(), ("all", self.overall())]:
             base = stats.get(BASELINE)
-            base_tok_s = base.tok_s if base else None
-            out[set_name] = {m: s.to_dict(base_tok_s) for m, s in stats.items()}
+            out[set_name] = {m: s.to_dict(base.tok_s if base else None) for m, s in stats.items()}
+            withhold_impossible(out[set_name], base.tokens_per_target_forward if base else None, self.serving,
+                                (self.meta.get("batch_sizes") or [1])[0], rounds_speedup=set_name == "all")
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": "eyas.eval/1", "meta": self.meta, "methods": self.methods, "results": self.table(),
-                "serving": self.serving, "records": self.records}
+                "serving": self.serving, "recommendation": self.recommendation, "records": self.records}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvalResult:
@@ -77,7 +82,7 @@ class EvalResult:
         sets = {name: {m: MethodStats.from_dict(v) for m, v in stats.items()}
                 for name, stats in d["results"].items() if name != "all"}
         return cls(meta=d["meta"], methods=d["methods"], sets=sets, records=d.get("records", []),
-                   serving=d.get("serving", []))
+                   serving=d.get("serving", []), recommendation=d.get("recommendation"))
 
 
 def check_draft_fits(draft: DraftModel, target_model: torch.nn.Module) -> None:
@@ -144,6 +149,8 @@ def evaluate_draft(
     done: dict[tuple, dict[str, Any]] | None = None,
     stop_ids: set[int] | None = None,
     batch_sizes: Sequence[int] = (1,),
+    verify_budget: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> EvalResult:
     """Speculative decoding of every prompt with each method (chains of K, trees), and the target alone.
 
@@ -153,6 +160,9 @@ def evaluate_draft(
     stop_ids: end-of-sequence ids; None takes them from the tokenizer and the model's configs, an empty
     set always generates max_new_tokens (like vLLM's ignore_eos).
     batch_sizes: prompts decoded together (greedy only above 1); the first gives the metrics and records.
+    verify_budget: sweep chains and trees per batch size within this many verify tokens per round
+    (eyas.eval.budget), the methods asked for included; None measures those alone.
+    clock: what times the decoding (seconds); the tests pass a noisy one.
     """
     check_draft_fits(draft, target_model)
     device = next(target_model.parameters()).device
@@ -171,19 +181,24 @@ def evaluate_draft(
     decoder = SpeculativeDecoder(target, draft, stops)
     for m in methods:
         decoder.proposer.check(m)  # e.g. trees are EAGLE-3's
+    plan = {b: methods for b in batch_sizes}
+    if verify_budget is not None:
+        plan = sweep_plan(batch_sizes, methods, verify_budget, lambda m: proposes(decoder.proposer, m))
+        methods = union(plan)
     result = EvalResult(meta=_meta(target_model, draft, target, decoder, methods, temperature, top_p, max_new_tokens,
                                    seed),
                         methods=[m.name for m in methods])
     result.meta["batch_sizes"] = batch_sizes
+    result.meta["verify_budget"] = verify_budget
     limit = _max_positions(target_model) - max_new_tokens - max([m.max_accept if isinstance(m, ChainSpec) else m.total
                                                                  for m in methods] + [0]) - 2
     run = _Evaluation(target, decoder, tokenizer, methods, result, temperature, top_p, stops, max_new_tokens,
-                      baseline, seed, limit, done or {}, on_record, batch_sizes)
+                      baseline, seed, limit, done or {}, on_record, batch_sizes, plan, clock)
     try:
         run.static = temperature <= 0 and _static_caches_work(target_model, draft, sets, tokenizer, batch_sizes)
-        if (target.device.type == "cuda") if warmup is None else warmup:
+        if (baseline or target.device.type == "cuda") if warmup is None else warmup:
             run.warm_up(sets)
-        total = sum(s.num_turns for s in sets) * (len(methods) + int(baseline))
+        total = sum(s.num_turns for s in sets) * (len(plan[batch_sizes[0]]) + int(baseline))
         with progress_bar(disable=None if progress is None else not progress) as bar:
             run.bar, run.task = bar, bar.add_task("eval", total=total, tokens=0, info="")
             for pset in sets:
@@ -257,14 +272,16 @@ class _Evaluation:
     done: dict[tuple, dict[str, Any]]
     on_record: Callable[[dict[str, Any]], None] | None
     batch_sizes: list[int] = field(default_factory=lambda: [1])
+    plan: dict[int, list[Method]] = field(default_factory=dict)  # the methods measured at each batch size
+    clock: Callable[[], float] = time.perf_counter
     static: bool = False  # greedy over static caches (eyas.eval.batch_decode), else one prompt at a time
     bar: Any = None
     task: Any = None
     skipped: int = 0  # turns (and the later turns of their prompt) too long for the target
     tokens: int = 0  # new tokens generated in this call (resumed records excluded), for the progress bar
     batch_decoders: dict[tuple[str, int], BatchDecoder] = field(default_factory=dict)
-    # (batch size, method name) -> [new tokens, seconds, target forwards, compared, identical]
-    served: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)  # every timing round's draws (eyas.eval.timing)
+    rounds: int = 0  # timing rounds so far: each starts with the next decoder
 
     @property
     def greedy(self) -> bool:
@@ -278,14 +295,29 @@ class _Evaluation:
         return self.decoder.generate(ids, method, n_new, self.temperature, self.top_p, g)
 
     def warm_up(self, sets: list[PromptSet]) -> None:
-        """A short generation of every method on the first prompt: kernels, allocator and autotuning settle
-        before anything is timed."""
-        first = next((it for s in sets for it in s.items), None)
-        if first is None:
+        """A generation of every method (at every batch size, over static caches) on the first prompt: kernels,
+        allocator, caches and autotuning settle before anything is timed."""
+        items = [it for s in sets for it in s.items]
+        if not items:
             return
-        ids = first.token_ids or render_prompt(self.tokenizer, [{"role": "user", "content": first.turns[0]}])
-        for m in [None, *self.methods]:
-            self.generate(m, ids[:self.limit], self.seed, min(16, self.max_new_tokens))
+        ids = self.first_turn(items[0])[:self.limit]
+        if not self.static:
+            for m in [None, *self.methods]:
+                self.generate(m, ids, self.seed, min(16, self.max_new_tokens))
+            return
+        fits = [n for n in (len(self.first_turn(it)) for it in items) if n <= self.limit]
+        longest = max(fits or [len(ids)])  # the first turns' decoders: built once, not again for a longer prompt
+        for batch in self.batch_sizes:  # every decoder that will be timed, built and run once
+            for m in [None, *self.plan[batch]]:
+                self.batch_decoder(m, batch, longest)
+                self.decode(m, batch, [list(ids)], [self.seed])
+
+    def first_turn(self, item: PromptItem) -> list[int]:
+        """An item's first prompt, as `prompt_set` renders it."""
+        if item.token_ids is not None:
+            return list(item.token_ids)
+        system = [{"role": "system", "content": item.system}] if item.system else []
+        return render_prompt(self.tokenizer, [*system, {"role": "user", "content": item.turns[0]}])
 
     def prompt_set(self, pset: PromptSet) -> None:
         """Turn by turn: every conversation's turn is decoded (by the target, then each method) before the
@@ -318,53 +350,79 @@ class _Evaluation:
 
     def turn(self, set_name: str, stats: dict[str, MethodStats], turn_idx: int,
              jobs: list[tuple[int, PromptItem, list[int]]]) -> dict[int, str | None]:
-        """The target alone, then each method, on one turn of every job (item index, item, prompt ids), at
-        each batch size; returns the target's answer text per item index."""
+        """The target alone and each method on one turn of every job (item index, item, prompt ids), at each batch
+        size, in timing rounds (eyas.eval.timing); returns the target's answer text per item index."""
         answers: dict[int, str | None] = {i: None for i, _, _ in jobs}
+        every = [None, *self.methods] if self.baseline else list(self.methods)
         for b_idx, batch in enumerate(self.batch_sizes):
-            reference: dict[int, list[int] | None] = {}
-            for m_idx, m in enumerate([None, *self.methods] if self.baseline else self.methods):
-                name = m.name if m is not None else BASELINE
-                stored = {i: self.done[(set_name, item.id, turn_idx, name)] for i, item, _ in jobs
-                          if b_idx == 0 and (set_name, item.id, turn_idx, name) in self.done}
-                todo = [(i, item, ids) for i, item, ids in jobs if i not in stored]
-                gens = self.decode(m, batch, [ids for _, _, ids in todo],
-                                   [self.seed + 7919 * i + 104729 * turn_idx + m_idx for i, _, _ in todo])
-                for i, rec in stored.items():
-                    stats[name].add_record(rec)
-                    self.serve(batch, name, rec, rec.get("identical"))
-                    self.result.records.append(rec)
-                    self.bar.advance(self.task)
-                    if m is None:
-                        reference[i] = rec.get("answer_ids")
-                    answers[i] = answers[i] or rec.get("answer")
-                for (i, item, ids), gen in zip(todo, gens, strict=True):
-                    if m is None:
-                        reference[i] = gen.tokens
-                    ref = reference.get(i)
-                    same = gen.tokens == ref if self.greedy and m is not None and ref is not None else None
-                    self.serve(batch, name, gen, same)
-                    if b_idx == 0:
-                        rec = self.record(set_name, stats, item.id, turn_idx, m, ids, gen, same, answers[i] is None)
-                        answers[i] = answers[i] or rec.get("answer")
+            methods = [m for m in every if m is None or m in self.plan[batch]]
+            for r_idx, part in enumerate(split_rounds(jobs, batch)):
+                round_key = (set_name, turn_idx, r_idx)
+                stored = {(i, m): self.done[(set_name, item.id, turn_idx, m.name if m else BASELINE)]
+                          for i, item, _ in part for m in methods
+                          if b_idx == 0 and (set_name, item.id, turn_idx, m.name if m else BASELINE) in self.done}
+                gens = {}
+                for m in rotated(methods, self.rounds):  # round-robin: each round starts with the next decoder
+                    todo = [(i, ids) for i, _, ids in part if (i, m) not in stored]
+                    seeds = [self.seed + 7919 * i + 104729 * turn_idx + every.index(m) for i, _ in todo]
+                    gens[m] = dict(zip([i for i, _ in todo], self.decode(m, batch, [p for _, p in todo], seeds),
+                                       strict=True))
+                self.rounds += 1
+                reference: dict[int, list[int] | None] = {}
+                for m in methods:  # the target alone first: its answers are the reference
+                    for i, item, ids in part:
+                        if (i, m) in stored:
+                            rec = stored[(i, m)]
+                            self.resumed(batch, round_key, stats, m, rec, answers, reference, i)
+                            continue
+                        gen = gens[m][i]
+                        if m is None:
+                            reference[i] = gen.tokens
+                        ref = reference.get(i)
+                        same = gen.tokens == ref if self.greedy and m is not None and ref is not None else None
+                        self.timings.add(batch, m.name if m else BASELINE, round_key, gen.new_tokens, gen.seconds,
+                                         gen.target_forwards, same)
+                        if b_idx == 0:
+                            rec = self.record(set_name, stats, item.id, turn_idx, m, ids, gen, same, answers[i] is None)
+                            answers[i] = answers[i] or rec.get("answer")
         return answers
 
+    def resumed(self, batch: int, round_key: tuple, stats: dict[str, MethodStats], m: Method | None,
+                rec: dict[str, Any], answers: dict[int, str | None], reference: dict[int, list[int] | None],
+                i: int) -> None:
+        """Count a resumed run's record of a generation as if it had been decoded in this round."""
+        name = m.name if m is not None else BASELINE
+        stats[name].add_record(rec)
+        self.timings.add(batch, name, round_key, rec["new_tokens"], rec["seconds"], rec["target_forwards"],
+                         rec.get("identical"))
+        self.result.records.append(rec)
+        self.bar.advance(self.task)
+        if m is None:
+            reference[i] = rec.get("answer_ids")
+        answers[i] = answers[i] or rec.get("answer")
+
     def decode(self, m: Method | None, batch: int, prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
-        """Every prompt with method m (None: the target alone): batched over static caches, or one at a time.
-        A batch's wall time is shared among its answers by their new tokens."""
+        """Every prompt with method m (None: the target alone), timed with `clock`: batched over static caches (a
+        batch's wall time shared among its answers by their new tokens), or one at a time, each on its own."""
         if not prompts:
             return []
         if not self.static:
-            return [self.generate(m, ids, s, self.max_new_tokens) for ids, s in zip(prompts, seeds, strict=True)]
+            return [self.timed(lambda ids=ids, s=s: [self.generate(m, ids, s, self.max_new_tokens)])[0]
+                    for ids, s in zip(prompts, seeds, strict=True)]
         dec = self.batch_decoder(m, batch, max(len(p) for p in prompts))
+        return self.timed(lambda: dec.run(prompts))
+
+    def timed(self, run: Callable[[], list[Generation]]) -> list[Generation]:
+        """The generations `run` returns, their `seconds` the wall time it took (read from `clock`, the device
+        synchronized), shared by their new tokens."""
         dev = self.target.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        gens = dec.run(prompts)
+        t0 = self.clock()
+        gens = run()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        seconds = time.perf_counter() - t0
+        seconds = self.clock() - t0
         total = sum(g.new_tokens for g in gens) or 1
         for g in gens:
             g.seconds = seconds * g.new_tokens / total
@@ -385,33 +443,10 @@ class _Evaluation:
             self.batch_decoders[key] = dec
         return dec
 
-    def serve(self, batch: int, name: str, gen: Generation | dict[str, Any], identical: bool | None) -> None:
-        """Count a generation (or a resumed run's record of one) in the serving row of (batch, method)."""
-        acc = self.served.setdefault((batch, name), [0, 0.0, 0, 0, 0])
-        if isinstance(gen, dict):
-            acc[0] += gen["new_tokens"]
-            acc[1] += gen["seconds"]
-            acc[2] += gen["target_forwards"]
-        else:
-            acc[0] += gen.new_tokens
-            acc[1] += gen.seconds
-            acc[2] += gen.target_forwards
-        if identical is not None:
-            acc[3] += 1
-            acc[4] += int(identical)
-
     def serving_table(self) -> list[dict[str, Any]]:
-        """The serving rows (eyas.eval.serving) of every batch size, generations resumed from records
-        included, each with the share of greedy answers identical to the target's at that batch size."""
-        rows = []
-        for batch in self.batch_sizes:
-            runs = [ServingRun(name, int(tokens), seconds, tokens / forwards if forwards else None)
-                    for (b, name), (tokens, seconds, forwards, _, _) in self.served.items() if b == batch]
-            for row in serving_rows(batch, runs):
-                compared, same = self.served[(batch, row["method"])][3:]
-                row["identical"] = same / compared if compared else None
-                rows.append(row)
-        return rows
+        """The serving rows (eyas.eval.serving) of every batch size, generations resumed from records included,
+        each with the share of greedy answers identical to the target's at that batch size."""
+        return [row for batch in self.batch_sizes for row in self.timings.rows(batch)]
 
     def record(self, set_name: str, stats: dict[str, MethodStats], item_id: str, turn_idx: int, m: Method | None,
                ids: list[int], gen: Generation, identical: bool | None, with_answer: bool) -> dict[str, Any]:

@@ -8,7 +8,10 @@ measurement is one row of the report's `serving` list:
     {"batch_size": 4, "method": "chain-3", "tokens_per_s": 812.5, "speedup": 1.41, "tokens_per_forward": 2.3}
 
 `method` is a decoding method's name or "target" (the target alone, whose speedup is 1.0);
-`speedup` is against the target alone at the same batch size (None without it); `tokens_per_forward`
+`speedup` is against the target alone at the same batch size (None without it, or where the timing
+cannot have measured decoding: then `speedup_note` says why, eyas.eval.timing); the hf engine's rows
+time the methods in rounds and add `speedup_range` (the rounds' lowest and highest) and `rounds`;
+`tokens_per_forward`
 is new tokens per target forward where counted (None otherwise). A speculative method's row may also
 hold `accept_rate_by_pos`: the share of its verify steps that accepted at least j draft tokens, at
 that batch size, and `identical`: the share of its greedy answers token for token the target alone's.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eyas.eval.metrics import BASELINE, MethodStats
+from eyas.eval.timing import guarded_speedup
 from eyas.utils.io import EyasError
 
 MAX_BATCH_SIZE = 4096  # more concurrent requests than any one engine instance schedules
@@ -63,8 +67,12 @@ def serving_rows(batch_size: int, runs: Sequence[ServingRun]) -> list[dict[str, 
     base_rate = base.new_tokens / base.seconds if base is not None and base.seconds > 0 else None
     for r in sorted(runs, key=lambda r: r.method != BASELINE):
         rate = r.new_tokens / r.seconds if r.seconds > 0 else 0.0
-        row = {"batch_size": int(batch_size), "method": r.method, "tokens_per_s": rate,
-               "speedup": rate / base_rate if base_rate else None, "tokens_per_forward": r.tokens_per_forward}
+        speedup, note = guarded_speedup(rate / base_rate if base_rate else None, r.tokens_per_forward,
+                                        base.tokens_per_forward if base is not None else None)
+        row = {"batch_size": int(batch_size), "method": r.method, "tokens_per_s": rate, "speedup": speedup,
+               "tokens_per_forward": r.tokens_per_forward}
+        if note:
+            row["speedup_note"] = note
         if r.accept_rate_by_pos is not None:
             row["accept_rate_by_pos"] = r.accept_rate_by_pos
         if r.identical is not None:

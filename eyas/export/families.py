@@ -57,3 +57,19 @@ def export_draft(draft: DraftModel, out: str | Path, fmt: str, options: ServeOpt
         if manifest is not None:
             atomic_write_json(tmp / "manifest.json", manifest)
     return out
+
+
+def serve_command_in(readme: str) -> str | None:
+    """The serve command of an export README (`vllm serve ...` or SGLang's launcher), joined across its `\\`
+    continuation lines into one line."""
+    lines = readme.splitlines()
+    start = next((i for i, line in enumerate(lines)
+                  if line.strip().startswith(("vllm serve", "python -m sglang.launch_server"))), None)
+    if start is None:
+        return None
+    parts = []
+    for line in lines[start:]:
+        parts.append(line.strip().rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    return " ".join(parts)

@@ -233,6 +233,13 @@ def _verifier_architectures(verifier: str) -> list[str]:
     return []
 
 
+def sglang_eagle_flags(steps: int, top_k: int, draft_tokens: int) -> str:
+    """SGLang's EAGLE speculation: `steps` draft steps, `top_k` children per node, `draft_tokens` verified (the
+    root included): a chain of K is (K, 1, K + 1), an EAGLE-2 tree TOTAL:DEPTH:TOPK is (DEPTH, TOPK, TOTAL + 1)."""
+    return (f"--speculative-num-steps {steps} --speculative-eagle-topk {top_k} "
+            f"--speculative-num-draft-tokens {draft_tokens}")
+
+
 def serve_readme(fmt: str, out: Path, cfg: DraftConfig, verifier: str | None, k: int) -> str:
     """README.md for an export folder: the exact command that serves it, and what it was made from."""
     target = verifier or "<target model>"
@@ -249,8 +256,7 @@ def serve_readme(fmt: str, out: Path, cfg: DraftConfig, verifier: str | None, k:
                     f"`{target}` from `speculators_config.verifier`.")
     else:
         command = (f"python -m sglang.launch_server --model-path {target} \\\n  --speculative-algorithm EAGLE3 "
-                   f"--speculative-draft-model-path {out} \\\n  --speculative-num-steps {k} "
-                   f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+                   f"--speculative-draft-model-path {out} \\\n  {sglang_eagle_flags(k, 1, k + 1)}")
         python = None
         ids_note = (f"`eagle_config.eagle_aux_hidden_state_layer_ids` = {to_layout(ids, OUTPUT)}: SGLang adds 1, so "
                     f"the target captures the inputs of decoder layers {ids}, as in training.")

@@ -4,7 +4,9 @@ The target and the draft decode every prompt with KV caches (speculative decodin
 sampled with lossless rejection sampling); the target alone decodes the same prompts in the same
 run, for the speedup and, at temperature 0, to check the output is token-identical. Writes
 report.json, report.md and PNG plots (acceptance by position, tau by prompt set, tau against K)
-to --out; --compare overlays other reports. A killed run resumes from OUT.partial.jsonl. Example:
+to --out; --compare overlays other reports. A killed run resumes from OUT.partial.jsonl. Several
+--batch-size values sweep chains and trees per batch size and recommend what to serve at --serve-at
+(the fastest method, or the target alone), with the vLLM and SGLang commands. Example:
 
     eyas eval --draft runs/smollm2/draft --prompts mtbench --chain 3,5,7 --tree 60:7:10 --out runs/smollm2/eval
 """
@@ -63,6 +65,14 @@ class EvalOptions:
                                     "serving curve (tokens/s and speedup against batch size). engine vllm: "
                                     "requests in flight in vLLM's scheduler; engine hf: prompts decoded together "
                                     "over static KV caches (greedy only above 1).")
+    sweep: bool = option(True, help="With several --batch-size (engine hf): at each batch size, also measure the "
+                         "chains of 1, 2, 3, 5 and 7 and the trees whose verify tokens fit --verify-budget, and report "
+                         "the fastest way to decode at each (the target alone included).")
+    verify_budget: int = option(1024, help="--sweep: verify tokens per round shared by the rows: at batch size B a "
+                                "candidate's verify tokens per row (K + 1 for a chain, TOTAL + 1 for a tree) must fit "
+                                "budget / B. It bounds what is tried; the sweep measures what wins.")
+    serve_at: int | None = option(None, help="Requests in flight the recommended serve command is for.",
+                                  show_default="the largest batch size measured")
     out: Path = option(Path("eval"), short="-o", help="Output folder for report.json, report.md and plots.")
     engine: Literal["hf", "vllm"] = option("hf", old_name="backend", help="What runs the target and decodes: hf "
                                            "(transformers in this process, chains and trees) or vllm (vLLM's own "
@@ -82,7 +92,7 @@ class EvalOptions:
     force: bool = option(False, help="Rerun even when --out is up to date.")
 
     def __post_init__(self) -> None:
-        from eyas.eval.serving import parse_batch_sizes
+        from eyas.eval.serving import MAX_BATCH_SIZE, parse_batch_sizes
         from eyas.model.family_facts import family
 
         if self.engine not in ("hf", "vllm"):
@@ -98,6 +108,11 @@ class EvalOptions:
             raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf engine decodes batches "
                             "greedily and samples one prompt at a time: use --temperature 0 or --batch-size 1")
         family(self.family)  # an unknown family is refused here
+        if self.verify_budget < 2:
+            raise EyasError(f"--verify-budget {self.verify_budget}: a round verifies at least 2 tokens a row (a chain "
+                            "of 1); give e.g. 1024")
+        if self.serve_at is not None and not 1 <= self.serve_at <= MAX_BATCH_SIZE:
+            raise EyasError(f"--serve-at {self.serve_at}: requests in flight, between 1 and {MAX_BATCH_SIZE}")
         if self.tp < 1 or (self.tp > 1 and self.engine != "vllm"):
             raise EyasError(f"--tp {self.tp}: tensor parallelism is vLLM's (--engine vllm); the hf engine runs the "
                             "target on one device")
@@ -218,7 +233,14 @@ def fingerprint(opts: EvalOptions, target_path: str) -> dict[str, Any]:
             "temperature": opts.temperature, "top_p": opts.top_p, "max_new_tokens": opts.max_new_tokens,
             "max_prompts": opts.max_prompts, "max_turns": opts.max_turns, "backend": opts.engine,
             "device": opts.device, "dtype": opts.dtype, "seed": opts.seed, "baseline": opts.baseline,
-            "format": FORMAT, **({"batch_sizes": opts.batch_sizes} if opts.batch_sizes != [1] else {})}
+            "format": FORMAT, **({"batch_sizes": opts.batch_sizes} if opts.batch_sizes != [1] else {}),
+            **({"verify_budget": opts.verify_budget} if sweeping(opts) else {}),
+            **({"serve_at": opts.serve_at} if opts.serve_at is not None else {})}
+
+
+def sweeping(opts: EvalOptions) -> bool:
+    """Whether the run sweeps chains and trees per batch size (eyas.eval.budget): several batch sizes, engine hf."""
+    return opts.sweep and opts.engine == "hf" and len(opts.batch_sizes) > 1
 
 
 def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) -> Any:
@@ -263,12 +285,30 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
             result = evaluate_draft(target, tokenizer, draft_model, sets, chain=chains, tree=trees,
                                     temperature=opts.temperature, top_p=opts.top_p,
                                     max_new_tokens=opts.max_new_tokens, seed=opts.seed, baseline=opts.baseline,
-                                    on_record=partial.append, done=done, batch_sizes=opts.batch_sizes)
+                                    on_record=partial.append, done=done, batch_sizes=opts.batch_sizes,
+                                    verify_budget=opts.verify_budget if sweeping(opts) else None)
         from eyas.eval.serving import runs_of, serving_rows
 
         result.serving = result.serving or serving_rows(1, runs_of(result.overall()))
     result.meta.update({"draft": opts.draft, "target": target_path, "prompts": opts.prompts})
+    result.recommendation = recommend(result.serving, opts, target_path)
+    if result.recommendation is not None:
+        result.recommendation["device"] = result.meta.get("gpu") or result.meta.get("device")
     return result
+
+
+def recommend(rows: list[dict[str, Any]], opts: EvalOptions, target_path: str) -> dict[str, Any] | None:
+    """What to serve at --serve-at (eyas.eval.recommend), with the serve commands for the draft folder measured."""
+    from eyas.eval.recommend import recommendation
+    from eyas.model.config import DraftConfig
+
+    config = Path(opts.draft) / "config.json"
+    try:
+        cfg = DraftConfig.load(config) if config.is_file() else None
+    except EyasError:
+        cfg = None  # another layout: the choices still stand, without serve commands
+    folder = Path(opts.draft).absolute()
+    return recommendation(rows, opts.serve_at, cfg, {"vllm": folder, "sglang": folder}, target_path)
 
 
 def trees_for(family_name: str, trees: list[Any], asked: str, log: Any) -> list[Any]:

@@ -17,6 +17,7 @@ Config sections are the stages' own options (see `eyas STAGE --help`), e.g.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -151,7 +152,8 @@ def _eval_stage(cfg: RunConfig, path: Path, draft: Path, out: Path, untrained: P
         return Stage("eval", trained, [after / "report.json"], lambda: evaluate.run_eval(trained))
     ev_untrained = _section(cfg, path, "eval", evaluate.EvalOptions,
                             {"model": cfg.target, "draft": str(untrained), "out": before, "label": "untrained",
-                             "baseline": False})
+                             "baseline": False},
+                            section={**cfg.eval, "sweep": False})  # tau before training, not speed: no sweep
     ev_trained = _section(cfg, path, "eval", evaluate.EvalOptions,
                           {**owned, "compare": [str(before / "report.json")]})
 
@@ -259,19 +261,10 @@ def _overall_tau(report: Path) -> dict[str, float]:
 
 
 def serve_command(readme: Path) -> str | None:
-    """The `vllm serve ...` command of an export README, joined across its `\\` continuation lines."""
-    if not readme.is_file():
-        return None
-    lines = readme.read_text().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip().startswith("vllm serve")), None)
-    if start is None:
-        return None
-    parts = []
-    for line in lines[start:]:
-        parts.append(line.strip().rstrip("\\").strip())
-        if not line.rstrip().endswith("\\"):
-            break
-    return " ".join(parts)
+    """The `vllm serve ...` command of an export README, on one line."""
+    from eyas.export.families import serve_command_in
+
+    return serve_command_in(readme.read_text()) if readme.is_file() else None
 
 
 def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> dict[str, Any]:
@@ -280,7 +273,8 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
 
     tau_after = _overall_tau(after / "report.json")
     tau_before = _overall_tau(before / "report.json") if (before / "report.json").is_file() else {}
-    speed = {m: v.get("speedup") for m, v in read_json(after / "report.json")["results"]["all"].items()}
+    speed = {m: "too noisy" if v.get("speedup_note") else v.get("speedup")
+             for m, v in read_json(after / "report.json")["results"]["all"].items()}
     before = bool(tau_before)  # measured only with compare_untrained
     table = Table(title="acceptance length tau (MT-Bench style prompts)" + (", before and after training" * before))
     for col in ("method", *["tau untrained"] * before, "tau trained", "speedup (trained)"):
@@ -288,7 +282,7 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     for method in tau_after:
         sp = speed.get(method)
         table.add_row(method, *[f"{tau_before.get(method, float('nan')):.2f}"] * before, f"{tau_after[method]:.2f}",
-                      f"{sp:.2f}x" if isinstance(sp, (int, float)) else "-")
+                      f"{sp:.2f}x" if isinstance(sp, (int, float)) else sp or "-")
     out = Console()
     out.print(table)
     out.print(f"report: {after / 'report.md'}   plots: {', '.join(str(p) for p in sorted(after.glob('*.png')))}")
@@ -326,15 +320,43 @@ def in_words(report: dict[str, Any], tau_before: dict[str, float], export_dir: P
 
 
 def speed_in_words(report: dict[str, Any], export_dir: Path) -> list[str]:
-    """The measured speedup of the fastest method at each batch size, and, where the draft did not pay, why."""
+    """The measured speedup of the fastest method at each batch size, and, where the draft did not pay, why; where
+    the timing could not give a speedup, that instead of a number; and what to serve at which concurrency."""
+    rows = report.get("serving") or [  # a report without a serving curve (older, or --no-baseline): its batch-1 table
+        {"batch_size": 1, "method": m, "speedup": v.get("speedup"), "speedup_note": v.get("speedup_note"),
+         "tokens_per_s": v.get("tok_s")} for m, v in report["results"]["all"].items()]
+    lines = _measured_speed(report, rows, export_dir)
+    noisy = {}
+    for r in rows:
+        if r.get("speedup_note"):
+            noisy.setdefault(r["batch_size"], f"{r['method']}: {r['speedup_note']}")
+    lines += [f"At batch size {b} the timing was too noisy to give a speedup ({why})." for b, why in noisy.items()]
+    rec = report.get("recommendation")
+    if rec:
+        lines += recommendation_in_words(rec, report, rows, export_dir)
+    return lines
+
+
+def recommendation_in_words(rec: dict[str, Any], report: dict[str, Any], rows: list[dict[str, Any]],
+                            export_dir: Path) -> list[str]:
+    """What to serve at the eval's --serve-at, with the exported folders in the serve commands."""
+    from eyas.eval.recommend import in_words as recommendation_words
+    from eyas.eval.recommend import recommendation
+    from eyas.model.config import DraftConfig
+
+    config = Path(str(report["meta"].get("draft", ""))) / "config.json"
+    folders = {fmt: export_dir / fmt for fmt in ("vllm", "sglang") if (export_dir / fmt).is_dir()}
+    if config.is_file() and folders:
+        with contextlib.suppress(EyasError):  # else the eval's own commands stand
+            rec = {**(recommendation(rows, rec["serve_at"], DraftConfig.load(config), folders,
+                                     str(report["meta"].get("target", ""))) or rec), "device": rec.get("device")}
+    return [w for w in recommendation_words(rec) if not w.startswith("At batch size")]  # said above
+
+
+def _measured_speed(report: dict[str, Any], rows: list[dict[str, Any]], export_dir: Path) -> list[str]:
     from eyas.eval.serving import best_speedups
 
-    best = best_speedups(report.get("serving") or [])
-    if not best:  # a report without a serving curve (older, or --no-baseline): its batch-1 table
-        speed = {m: v["speedup"] for m, v in report["results"]["all"].items()
-                 if m != "target" and isinstance(v.get("speedup"), (int, float))}
-        fastest = max(speed, key=speed.get) if speed else None
-        best = [(1, fastest, speed[fastest])] if fastest else []
+    best = best_speedups(rows)
     if not best:
         return []
     meta = report["meta"]
