@@ -412,7 +412,7 @@ def estimate_eval(ctx: Context, opts: Any, nproc: int) -> Estimate:
 
 
 ESTIMATORS = {"regenerate": estimate_regenerate, "prepare": estimate_prepare, "extract": estimate_extract,
-              "train": estimate_train, "export": estimate_export, "eval": estimate_eval}
+              "train": estimate_train, "export": estimate_export, "eval": estimate_eval, "serving": estimate_eval}
 
 
 def estimate_run(cfg: Any, stages: list[Any], keys: list[str], card: str, config_path: Path

@@ -33,7 +33,7 @@ from eyas.utils.io import EyasError, atomic_write_json, check_output, read_json,
 from eyas.utils.resume import up_to_date
 from eyas.utils.schema import from_mapping, option, to_mapping
 
-STAGES = ("prepare", "regenerate", "extract", "train", "export", "eval")
+STAGES = ("prepare", "regenerate", "extract", "train", "export", "eval", "serving")
 console = Console(stderr=True)
 
 
@@ -52,6 +52,9 @@ class RunConfig:
     train: dict[str, Any] = field(default_factory=dict)
     export: dict[str, Any] = field(default_factory=dict)
     eval: dict[str, Any] = field(default_factory=dict)
+    # the trained draft timed again as a server runs it (e.g. bf16, batch sizes 1..64), the eval section's options
+    # overridden by these; empty: no such stage (the eval's own timing stands)
+    serving: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,10 +107,10 @@ def _section(cfg: RunConfig, path: Path, stage: str, cls: type, owned: dict[str,
 def build_stages(cfg: RunConfig, path: Path, refuse: bool = True) -> list[Stage]:
     """Every stage of the run with validated options, in order; raises on any bad section, and (with
     `refuse`) on a stage whose processes `eyas run` cannot start here."""
-    from eyas.recipes import export, extract, prepare, regenerate
+    from eyas.recipes import evaluate, export, extract, prepare, regenerate
 
     work = Path(cfg.workdir or Path("runs") / path.stem)
-    paths = {name: work / name for name in ("regenerated", "prepared", "store", "train", "export", "eval")}
+    paths = {name: work / name for name in ("regenerated", "prepared", "store", "train", "export", "eval", "serving")}
     inputs = cfg.prepare.get("inputs") or ["sharegpt"]
     if not isinstance(inputs, list):  # else `inputs: dummy` would read as the inputs d, u, m, m, y
         raise EyasError(f"{path}: prepare.inputs = {inputs!r}: expected a list of text, e.g. inputs: [{inputs}]")
@@ -136,6 +139,10 @@ def build_stages(cfg: RunConfig, path: Path, refuse: bool = True) -> list[Stage]
                                                                "format": "all"})
     stages.append(Stage("export", exp, [paths["export"]], lambda: export.run_export(exp)))
     stages.append(_eval_stage(cfg, path, draft, paths["eval"], work / "draft-untrained"))
+    if cfg.serving:
+        serve = _section(cfg, path, "serving", evaluate.EvalOptions, {"model": cfg.target, "draft": str(draft),
+                         "out": paths["serving"], "label": "serving"}, section={**cfg.eval, **cfg.serving})
+        stages.append(Stage("serving", serve, [paths["serving"] / "report.json"], lambda: evaluate.run_eval(serve)))
     assign_processes(cfg, stages, train=_train, refuse=refuse)  # several processes: torchrun, or a refusal now
     return stages
 
@@ -251,8 +258,9 @@ def run_pipeline(cfg: RunConfig, config_path: Path, force: set[str] = frozenset(
         atomic_write_json(ledger, state)
         console.print(f"[green]✓ {st.name}[/] done in {time.time() - t0:.0f}s")
     paths = {s.name: s for s in stages}
+    serving = Path(paths["serving"].options.out) if "serving" in paths else None
     return final_report(work, Path(paths["eval"].options.out).parent / "untrained", Path(paths["eval"].options.out),
-                        Path(paths["export"].options.out))
+                        Path(paths["export"].options.out), serving)
 
 
 def _overall_tau(report: Path) -> dict[str, float]:
@@ -267,14 +275,16 @@ def serve_command(readme: Path) -> str | None:
     return serve_command_in(readme.read_text()) if readme.is_file() else None
 
 
-def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> dict[str, Any]:
-    """Print what a person wants at the end: did training help, where is the draft, how to serve it."""
+def final_report(workdir: Path, before: Path, after: Path, export_dir: Path, serving: Path | None = None
+                 ) -> dict[str, Any]:
+    """Print what a person wants at the end: did training help, where is the draft, how to serve it. Speed
+    comes from the serving stage's report where the run has one, else from the eval's."""
     from rich.table import Table
 
     tau_after = _overall_tau(after / "report.json")
     tau_before = _overall_tau(before / "report.json") if (before / "report.json").is_file() else {}
-    speed = {m: "too noisy" if v.get("speedup_note") else v.get("speedup")
-             for m, v in read_json(after / "report.json")["results"]["all"].items()}
+    timed = read_json((serving or after) / "report.json")
+    speed = {m: "too noisy" if v.get("speedup_note") else v.get("speedup") for m, v in timed["results"]["all"].items()}
     before = bool(tau_before)  # measured only with compare_untrained
     table = Table(title="acceptance length tau (MT-Bench style prompts)" + (", before and after training" * before))
     for col in ("method", *["tau untrained"] * before, "tau trained", "speedup (trained)"):
@@ -291,7 +301,7 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     if serve:
         out.print("serve with vLLM:")
         out.print(serve, markup=False, highlight=False, soft_wrap=True)
-    words = in_words(read_json(after / "report.json"), tau_before, export_dir)
+    words = in_words(read_json(after / "report.json"), tau_before, export_dir, timed)
     out.print("\n" + words, highlight=False)
     summary = {"tau_untrained": tau_before, "tau_trained": tau_after, "export": str(export_dir), "serve": serve,
                "in_words": words}
@@ -299,8 +309,10 @@ def final_report(workdir: Path, before: Path, after: Path, export_dir: Path) -> 
     return summary
 
 
-def in_words(report: dict[str, Any], tau_before: dict[str, float], export_dir: Path) -> str:
-    """What the eval's numbers mean for someone who has just run the pipeline, in plain sentences."""
+def in_words(report: dict[str, Any], tau_before: dict[str, float], export_dir: Path,
+             timed: dict[str, Any] | None = None) -> str:
+    """What the eval's numbers mean for someone who has just run the pipeline, in plain sentences; the speed
+    from `timed` (the serving stage's report) where given."""
     results = {m: v for m, v in report["results"]["all"].items() if v.get("tau") is not None}
     if not results:
         return "The eval measured no method, so there is nothing to summarize."
@@ -311,7 +323,7 @@ def in_words(report: dict[str, Any], tau_before: dict[str, float], export_dir: P
              "(tau; the target alone produces 1.00)"
              + (f", {per_forward:.2f} per target forward counting the prefill" if per_forward else "")
              + (f"; the untrained draft gave tau {tau_before[best]:.2f}." if best in tau_before else ".")]
-    lines += speed_in_words(report, export_dir)
+    lines += speed_in_words(timed or report, export_dir)
     if str(report["meta"].get("target", "")).rstrip("/").endswith("SmolLM2-135M-Instruct"):
         lines.append("The GPU recipe for this target, configs/smollm2-quality.yaml, trains a draft that reaches "
                      "tau 3.51 (chain of 7; 3.41 tokens per target forward) and tau 5.08 (tree) on all 80 MT-Bench "
