@@ -434,7 +434,7 @@ def estimate_run(cfg: Any, stages: list[Any], keys: list[str], card: str, config
     out = []
     for st, key in zip(stages, keys, strict=True):
         e = ESTIMATORS[st.name](ctx, st.options, max(1, st.nproc))  # 0: fsdp on a machine without GPUs
-        e.processes = st.nproc
+        e.name, e.processes = st.name, st.nproc  # the serving stage is estimated as an eval
         if up_to_date(ledger, key, *st.outputs, entry=st.name):
             e.status = "up to date: skipped"
         elif (note := resumable(st)) is not None:
