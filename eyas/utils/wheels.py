@@ -23,6 +23,7 @@ from packaging.requirements import Requirement
 from eyas.utils.io import EyasError
 
 _TORCH_STACK = re.compile(r"^(torch|triton|pytorch-triton.*|nvidia-.+|cuda-.+)$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
 
 
@@ -60,7 +61,8 @@ def expand_platforms(platforms: tuple[str, ...]) -> list[str]:
 
 
 def node_pins(path: Path | None) -> dict[str, str]:
-    """name -> version of the `pip freeze` lines in `path` (editable and URL lines are skipped)."""
+    """name -> version of the `pip freeze` lines in `path` (editable and URL lines are skipped); a line of a bare
+    name is a package the node has in a version not given ("")."""
     if path is None:
         return {}
     if not Path(path).is_file():
@@ -71,11 +73,25 @@ def node_pins(path: Path | None) -> dict[str, str]:
         m = _PIN.match(line.strip())
         if m:
             pins[normalize(m.group(1))] = m.group(2)
+        elif _NAME.fullmatch(line.strip()):  # a bare name: the node has it, version unknown (kept as it is)
+            pins[normalize(line.strip())] = ""
     return pins
 
 
 def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _node_env(target: NodePython) -> dict[str, str]:
+    """Marker variables of the node's Python (a Linux node)."""
+    return {"python_version": target.python_version or f"{sys.version_info[0]}.{sys.version_info[1]}",
+            "sys_platform": "linux", "platform_system": "Linux", "extra": ""}
+
+
+def _applying(requires: list[str], env: dict[str, str]) -> list[Requirement]:
+    """The requirements whose markers hold on the node."""
+    reqs = [Requirement(r) for r in requires]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(env)]
 
 
 def wheel_requirements(wheel: Path, target: NodePython, node: dict[str, str], with_torch: bool) -> list[str]:
@@ -86,42 +102,51 @@ def wheel_requirements(wheel: Path, target: NodePython, node: dict[str, str], wi
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         lines = z.read(meta).decode("utf-8").splitlines()
-    env = {"python_version": target.python_version or f"{sys.version_info[0]}.{sys.version_info[1]}",
-           "sys_platform": "linux", "platform_system": "Linux", "extra": ""}
-    out = []
-    for line in lines:
-        if not line.startswith("Requires-Dist:"):
-            continue
-        req = Requirement(line.partition(":")[2].strip())
-        if req.marker is not None and not req.marker.evaluate(env):
-            continue
-        name = normalize(req.name)
-        if name not in node and (with_torch or not _TORCH_STACK.match(name)):
-            out.append(str(req))
-    return out
+    requires = [line.partition(":")[2].strip() for line in lines if line.startswith("Requires-Dist:")]
+    return [str(r) for r in _applying(requires, _node_env(target))
+            if normalize(r.name) not in node and (with_torch or not _TORCH_STACK.match(normalize(r.name)))]
 
 
 def resolve(requirements: list[str], target: NodePython, node: dict[str, str], with_torch: bool) -> dict[str, str]:
-    """name -> version of every package `requirements` need on the node and it lacks. A wheel file among
-    them stands for its requirements that the node lacks (`wheel_requirements`): it is in hand already."""
+    """name -> version of every package `requirements` need on the node and it lacks, or has in a version they
+    refuse. A wheel file among them stands for its requirements that the node lacks (`wheel_requirements`): it
+    is in hand already. The node's versions steer the resolution as constraints; where they make it impossible
+    (a package pinning an older version of one the node has), it is resolved without them, and the node's
+    packages that the result refuses come along in the versions it needs."""
     expanded: list[str] = []
     for r in requirements:
         is_wheel = r.endswith(".whl") and Path(r).is_file()
         expanded += wheel_requirements(Path(r), target, node, with_torch) if is_wheel and node else [r]
-    requirements = expanded
-    if not requirements:
+    if not expanded:
         return {}
+    pins = {n: v for n, v in node.items() if v and "+" not in v and not _TORCH_STACK.match(n)}  # not local builds
+    try:
+        items = _dry_run(expanded, target, pins, timeout=None if not pins else 90)
+    except (EyasError, subprocess.TimeoutExpired):  # impossible, or pip backtracking through old releases
+        if not pins:
+            raise
+        items = _dry_run(expanded, target, {})
+    resolved = {normalize(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+    env, refused = _node_env(target), set()
+    for i in items:
+        for r in _applying(i["metadata"].get("requires_dist") or [], env):
+            name = normalize(r.name)
+            if node.get(name) and not r.specifier.contains(node[name], prereleases=True):
+                refused.add(name)
+    return {n: v for n, v in sorted(resolved.items())
+            if (n not in node or n in refused) and (with_torch or not _TORCH_STACK.match(n))}
+
+
+def _dry_run(requirements: list[str], target: NodePython, pins: dict[str, str], timeout: float | None = None
+             ) -> list[dict]:
+    """pip's resolution of `requirements` for the node (`pins` as constraints): its report's install items."""
     with tempfile.TemporaryDirectory(prefix="eyas-resolve-") as tmp:
         constraints = Path(tmp) / "node.txt"
-        # the node's versions steer the resolver where PyPI has them (not local builds such as torch 2.5+cu121)
-        constraints.write_text("".join(f"{n}=={v}\n" for n, v in node.items()
-                                       if "+" not in v and not _TORCH_STACK.match(n)))
+        constraints.write_text("".join(f"{n}=={v}\n" for n, v in pins.items()))
         report = Path(tmp) / "report.json"
         run_pip(["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target",
-                 str(Path(tmp) / "t"), "-c", str(constraints), *target.pip_args(), *requirements])
-        resolved = {normalize(i["metadata"]["name"]): i["metadata"]["version"]
-                    for i in json.loads(report.read_text())["install"]}
-    return {n: v for n, v in sorted(resolved.items()) if n not in node and (with_torch or not _TORCH_STACK.match(n))}
+                 str(Path(tmp) / "t"), "-c", str(constraints), *target.pip_args(), *requirements], timeout)
+        return json.loads(report.read_text())["install"]
 
 
 def download(pins: dict[str, str], target: NodePython, dest: Path) -> None:
@@ -131,8 +156,8 @@ def download(pins: dict[str, str], target: NodePython, dest: Path) -> None:
                  *[f"{n}=={v}" for n, v in pins.items()]])
 
 
-def run_pip(args: list[str]) -> None:
-    done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+def run_pip(args: list[str], timeout: float | None = None) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise EyasError(f"`pip {' '.join(args[:1] + [a for a in args[1:] if not a.startswith('/')][:12])} ...` "
                         f"failed: {done.stderr.strip()[-600:]}. A package with no wheel for this platform and "
