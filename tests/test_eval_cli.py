@@ -96,8 +96,14 @@ def test_cli_eval_end_to_end_reuse_and_resume(tiny_folder, tmp_path):
     logs: list[str] = []
     kw = dict(model=str(tiny_folder / "target"), prompts="mtbench", chain="1,2", tree="6:2:3", max_new_tokens=6,
               max_prompts=2, out=tmp_path / "ev")
-    out = run_eval(EvalOptions(draft=str(tiny_folder / "draft"), **kw), log=logs.append)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as training leaves it, before `eyas run`'s eval
+    try:
+        out = run_eval(EvalOptions(draft=str(tiny_folder / "draft"), **kw), log=logs.append)
+        assert torch.backends.cuda.matmul.allow_tf32  # given back as it was
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
     data = json.loads((out / "report.json").read_text())
+    assert data["meta"]["tf32"] is False  # float32 verified in float32, not TF32: exact
     assert set(data["results"]["mtbench"]) == {BASELINE, "chain-1", "chain-2", "tree-6:2:3"}
     assert data["results"]["mtbench"]["chain-2"]["identical_to_target"] == 1.0
     assert len(data["records"]) == 2 * 2 * 4  # 2 questions x 2 turns x (target + 3 methods)

@@ -59,6 +59,7 @@ def test_tiny_pipeline_end_to_end_and_rerun_skips(tmp_path, smollm2_dir, capsys)
                   "num_workers": 0, "lr": 0.001},
         "eval": {"prompts": "mtbench", "max_prompts": 1, "max_turns": 1, "max_new_tokens": 8, "chain": "2",
                  "tree": "none"},
+        "serving": {"max_prompts": 2, "batch_sizes": [1, 2], "sweep": False},  # the eval's options, overridden
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -68,13 +69,16 @@ def test_tiny_pipeline_end_to_end_and_rerun_skips(tmp_path, smollm2_dir, capsys)
     assert (work / "eval" / "trained" / "report.md").is_file()
     assert summary["tau_trained"] and all(t >= 1.0 for t in summary["tau_trained"].values())
     assert summary["serve"].startswith("vllm serve") and "--speculative-config" in summary["serve"]
-    check_speed_words(summary["in_words"], read_json(work / "eval" / "trained" / "report.json"))
+    served = read_json(work / "serving" / "report.json")  # the speed in the closing words is the serving stage's
+    assert {r["batch_size"] for r in served["serving"]} == {1, 2}
+    assert served["meta"]["max_new_tokens"] == 8 and served["meta"]["prompts"] == "mtbench"  # the eval's own
+    check_speed_words(summary["in_words"], served)
     state = read_json(work / "run_state.json")
-    assert set(state) == {"prepare", "extract", "train", "export", "eval"}
+    assert set(state) == {"prepare", "extract", "train", "export", "eval", "serving"}
     capsys.readouterr()
     run_pipeline(load_config(path), path)  # nothing changed: every stage is skipped
     err = capsys.readouterr().err
-    assert err.count("up to date, skipped") == 5
+    assert err.count("up to date, skipped") == 6
 
 
 def test_train_schedules_chain_drafts_and_rerun_only_what_changed(tmp_path):

@@ -246,7 +246,7 @@ def sweeping(opts: EvalOptions) -> bool:
 def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) -> Any:
     """Decode every prompt with each method and the target alone; returns an EvalResult."""
     from eyas.eval.prompts import load_prompt_sets
-    from eyas.utils.devices import resolve_device, resolve_dtype
+    from eyas.utils.devices import matmul_precision, resolve_device, resolve_dtype
 
     sets = load_prompt_sets(opts.prompts, opts.max_prompts, opts.max_turns)
     chains, trees = parse_chain(opts.chain), parse_trees(opts.tree)
@@ -267,6 +267,7 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
                                     {"tensor_parallel_size": opts.tp, "trust_remote_code": opts.trust_remote_code},
                                     batch_sizes=opts.batch_sizes)
     else:
+        import torch
         from transformers import AutoTokenizer
 
         from eyas.engines.hf import load_hf_model
@@ -281,12 +282,13 @@ def measure(opts: EvalOptions, target_path: str, partial: PartialLog, log: Any) 
         done = {(r["set"], r["item"], r["turn"], r["method"]): r for r in partial.records}
         if done:
             log(f"resuming: {len(done)} generations already measured in {partial.path}")
-        with partial:
+        with partial, matmul_precision(dt):
             result = evaluate_draft(target, tokenizer, draft_model, sets, chain=chains, tree=trees,
                                     temperature=opts.temperature, top_p=opts.top_p,
                                     max_new_tokens=opts.max_new_tokens, seed=opts.seed, baseline=opts.baseline,
                                     on_record=partial.append, done=done, batch_sizes=opts.batch_sizes,
                                     verify_budget=opts.verify_budget if sweeping(opts) else None)
+            result.meta["tf32"] = torch.backends.cuda.matmul.allow_tf32  # float32 verified in TF32: not exact
         from eyas.eval.serving import runs_of, serving_rows
 
         result.serving = result.serving or serving_rows(1, runs_of(result.overall()))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -46,3 +47,18 @@ def run_on_stream(stream: torch.cuda.Stream, fn: Callable[[], T]) -> T:
         out = fn()
     current.wait_stream(stream)
     return out
+
+
+@contextmanager
+def matmul_precision(dtype: torch.dtype) -> Iterator[None]:
+    """float32 work computed in float32 (TF32 off) while inside, the flags as they were afterwards.
+
+    Why: training turns TF32 on for speed, process-wide; an eval that follows it in the same process (`eyas
+    run`) would otherwise verify in TF32, and greedy output would stop being identical to the target's."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    exact = dtype == torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not exact and flags[0]
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
