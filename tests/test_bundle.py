@@ -253,3 +253,25 @@ def test_named_assets_travel_in_parts_and_the_unpack_script_points_eyas_at_them(
                             "print(smollm2_gguf()); print(mtbench_path())"], env={**os.environ, **env},
                            capture_output=True, text=True)
     assert shown.stdout.split() == [env["EYAS_SMOLLM2_GGUF"], env["EYAS_MTBENCH"]]
+
+
+def test_the_node_list_takes_bare_names_and_a_wheel_in_hand_stands_for_what_the_node_lacks(tmp_path):
+    """A node list of names alone (versions unknown) still leaves those packages out, and a wheel in hand is
+    resolved as its requirements the node lacks: torch's CUDA tree never enters the resolution."""
+    import zipfile
+
+    from eyas.utils import wheels
+
+    node = tmp_path / "node.txt"
+    node.write_text("torch==2.11.0\nnumpy\n-e git+https://example.invalid/x#egg=y\npyyaml==6.0.1\n")
+    pins = wheels.node_pins(node)
+    assert pins == {"torch": "2.11.0", "numpy": "", "pyyaml": "6.0.1"}
+    whl = tmp_path / "demo-1.0-py3-none-any.whl"
+    requires = ["torch>=2.4", "numpy>=1.24", "PyYAML>=6", "pydantic>=2", 'tomli; python_version < "3.11"',
+                'pytest; extra == "test"', "nvidia-cudnn-cu13==9.19.0.56"]
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("demo-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n"
+                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    assert wheels.wheel_requirements(whl, wheels.NodePython("3.12"), pins, with_torch=False) == ["pydantic>=2"]
+    older = wheels.wheel_requirements(whl, wheels.NodePython("3.10"), pins, with_torch=True)
+    assert older == ["pydantic>=2", 'tomli; python_version < "3.11"', "nvidia-cudnn-cu13==9.19.0.56"]
