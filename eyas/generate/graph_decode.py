@@ -85,7 +85,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     scores = torch.matmul(query.reshape(B, g, r * q, hd), key.transpose(-1, -2)).float() * scale  # [B, g, r*q, S]
     scores = scores.view(B, g, r, q, S).masked_fill(~attention_mask[:, :, None], float("-inf"))
     probs = scores.softmax(-1).to(value.dtype).view(B, g, r * q, S)
-    out = torch.matmul(probs, value).view(B, nh, q, hd)
+    out = torch.matmul(probs, value).view(B, nh, q, value.shape[-1])  # MLA: values narrower than queries
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -152,9 +152,9 @@ class Lane:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer_idx] is None:
-            shape = (self.rows, key.shape[1], self.length)
-            self.k[layer_idx] = key.new_zeros(*shape, key.shape[3])
-            self.v[layer_idx] = value.new_zeros(*shape, value.shape[3])
+            # allocated at the first write, in the shapes the layer caches (MLA: a latent, not per-head keys)
+            self.k[layer_idx] = key.new_zeros(self.rows, key.shape[1], self.length, key.shape[3])
+            self.v[layer_idx] = value.new_zeros(self.rows, value.shape[1], self.length, value.shape[3])
         k, v = self.k[layer_idx], self.v[layer_idx]
         if self.prefill_rows is not None:
             P = key.shape[2]
@@ -163,9 +163,9 @@ class Lane:
             return key, value
         k, v = k[:self.n], v[:self.n]
         slots = self.pos[:self.n] if self.write is None else self.write
-        at = slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        k.scatter_(2, at, key)
-        v.scatter_(2, at, value)
+        # keys and values may differ in heads and width (MLA caches a latent and a rotary key in their place)
+        k.scatter_(2, slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3]), key)
+        v.scatter_(2, slots[:, None, :, None].expand(-1, value.shape[1], -1, value.shape[3]), value)
         return k[:, :, :self.width], v[:, :, :self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
