@@ -5,18 +5,16 @@
 
 Turn by turn, the target alone decodes every prompt first; its answer is the reference for the greedy
 identity check and the answer that the next turn of the conversation is asked after. Then each method
-decodes the same prompts. Greedy decoding goes through eyas.eval.batch_decode (static caches, CUDA
-graphs on a GPU), at each of `batch_sizes` in turn: the target alone and every method at that batch
+decodes the same prompts. Everything goes through eyas.eval.batch_decode (static caches, CUDA graphs on a
+GPU; greedy or sampled), at each of `batch_sizes` in turn: the target alone and every method at that batch
 size, one after the other, so the speedups at each size are measured side by side (`EvalResult.serving`).
-The metrics per method and the records come from the first batch size. Sampling decodes one prompt at a
-time (eyas.eval.spec_decode).
+The metrics per method and the records come from the first batch size.
 """
 
 from __future__ import annotations
 
 import platform
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +22,11 @@ from typing import Any
 import torch
 
 from eyas.eval.batch_decode import BatchDecoder
-from eyas.eval.batch_propose import BATCH_PROPOSERS, make_batch_proposer
-from eyas.eval.metrics import BASELINE, MethodStats, record_of
+from eyas.eval.metrics import BASELINE, Generation, MethodStats, record_of
 from eyas.eval.prompts import PromptItem, PromptSet, render_prompt
-from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
+from eyas.eval.proposer_base import ChainSpec, Method, Proposer, TreeSpec
+from eyas.eval.proposers import make_proposer
 from eyas.eval.serving import ServingRun, serving_rows
-from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget, stop_token_ids
 from eyas.model.config import target_config_sha256
 from eyas.model.draft import DraftModel
@@ -152,7 +149,7 @@ def evaluate_draft(
     done / on_record: resume support; `done` maps (set, item, turn, method) to stored records.
     stop_ids: end-of-sequence ids; None takes them from the tokenizer and the model's configs, an empty
     set always generates max_new_tokens (like vLLM's ignore_eos).
-    batch_sizes: prompts decoded together (greedy only above 1); the first gives the metrics and records.
+    batch_sizes: prompts decoded together; the first gives the metrics and records.
     """
     check_draft_fits(draft, target_model)
     device = next(target_model.parameters()).device
@@ -163,24 +160,21 @@ def evaluate_draft(
     batch_sizes = list(batch_sizes) or [1]
     if min(batch_sizes) < 1:
         raise EyasError(f"batch sizes {batch_sizes} must be >= 1")
-    if temperature > 0 and batch_sizes != [1]:
-        raise EyasError(f"--batch-size {','.join(map(str, batch_sizes))}: batches decode greedily; sampling "
-                        "(--temperature > 0) decodes one prompt at a time: use --batch-size 1")
     target = HFTarget(target_model, list(draft.config.aux_layer_ids))
     stops = stop_token_ids(target_model, tokenizer) if stop_ids is None else set(stop_ids)
-    decoder = SpeculativeDecoder(target, draft, stops)
+    proposer = make_proposer(draft)
     for m in methods:
-        decoder.proposer.check(m)  # e.g. trees are EAGLE-3's
-    result = EvalResult(meta=_meta(target_model, draft, target, decoder, methods, temperature, top_p, max_new_tokens,
+        proposer.check(m)  # e.g. trees are EAGLE-3's
+    result = EvalResult(meta=_meta(target_model, draft, target, proposer, methods, temperature, top_p, max_new_tokens,
                                    seed),
                         methods=[m.name for m in methods])
     result.meta["batch_sizes"] = batch_sizes
     limit = _max_positions(target_model) - max_new_tokens - max([m.max_accept if isinstance(m, ChainSpec) else m.total
                                                                  for m in methods] + [0]) - 2
-    run = _Evaluation(target, decoder, tokenizer, methods, result, temperature, top_p, stops, max_new_tokens,
+    run = _Evaluation(target, proposer, tokenizer, methods, result, temperature, top_p, stops, max_new_tokens,
                       baseline, seed, limit, done or {}, on_record, batch_sizes)
     try:
-        run.static = temperature <= 0 and _static_caches_work(target_model, draft, sets, tokenizer, batch_sizes)
+        _check_static_caches(target_model, sets, tokenizer)
         if (target.device.type == "cuda") if warmup is None else warmup:
             run.warm_up(sets)
         total = sum(s.num_turns for s in sets) * (len(methods) + int(baseline))
@@ -195,18 +189,10 @@ def evaluate_draft(
     return result
 
 
-def _static_caches_work(target_model: torch.nn.Module, draft: DraftModel, sets: list[PromptSet], tokenizer: Any,
-                        batch_sizes: list[int]) -> bool:
-    """Whether the draft's family drafts in batches and the target decodes right over static caches
-    (GraphDecoder.check_model); batches need both."""
+def _check_static_caches(target_model: torch.nn.Module, sets: list[PromptSet], tokenizer: Any) -> None:
+    """Refuse, before anything is timed, a target that does not decode right over static caches
+    (GraphDecoder.check_model: a plain forward against the static cache's)."""
     from eyas.generate.graph_decode import GraphDecoder
-
-    family = draft.config.family
-    if family not in BATCH_PROPOSERS:
-        if batch_sizes != [1]:
-            raise EyasError(f"--batch-size {','.join(map(str, batch_sizes))}: a {family} draft decodes one prompt at "
-                            f"a time (batched drafting covers {', '.join(BATCH_PROPOSERS)}): use --batch-size 1")
-        return False
 
     first = next((it for s in sets for it in s.items), None)
     ids = (first.token_ids or render_prompt(tokenizer, [{"role": "user", "content": first.turns[0]}])
@@ -215,14 +201,10 @@ def _static_caches_work(target_model: torch.nn.Module, draft: DraftModel, sets: 
     try:
         GraphDecoder(target_model, len(ids) + 8, 1, [], 0, lanes=[(len(ids) + 8, 2)]).check_model(ids)
     except EyasError as e:
-        if batch_sizes != [1]:
-            raise EyasError(f"--batch-size above 1 needs static KV caches, which this target refuses: {e}") from e
-        warnings.warn(f"decoding eagerly, one prompt at a time: {e}", stacklevel=3)
-        return False
-    return True
+        raise EyasError(f"eval decodes over static KV caches, which this target refuses: {e}") from e
 
 
-def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, decoder: SpeculativeDecoder,
+def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, proposer: Proposer,
           methods: list[Method], temperature: float, top_p: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
     """The settings and machine a report's numbers were measured with."""
     dev = target.device
@@ -231,7 +213,7 @@ def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, de
             "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
             "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
             "dtype": str(target.dtype).replace("torch.", ""),
-            "draft_dtype": str(decoder.draft_dtype).replace("torch.", ""),
+            "draft_dtype": str(proposer.dtype).replace("torch.", ""),
             "torch": torch.__version__, "host": platform.node(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "chain": [m.k for m in methods if isinstance(m, ChainSpec)],
             "tree": [m.name for m in methods if isinstance(m, TreeSpec)], "backend": "hf"}
@@ -243,7 +225,7 @@ class _Evaluation:
     resume from, and the result and progress bar being filled."""
 
     target: HFTarget
-    decoder: SpeculativeDecoder
+    proposer: Proposer
     tokenizer: Any
     methods: list[Method]
     result: EvalResult
@@ -257,7 +239,6 @@ class _Evaluation:
     done: dict[tuple, dict[str, Any]]
     on_record: Callable[[dict[str, Any]], None] | None
     batch_sizes: list[int] = field(default_factory=lambda: [1])
-    static: bool = False  # greedy over static caches (eyas.eval.batch_decode), else one prompt at a time
     bar: Any = None
     task: Any = None
     skipped: int = 0  # turns (and the later turns of their prompt) too long for the target
@@ -270,13 +251,6 @@ class _Evaluation:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
-    def generate(self, method: Method | None, ids: list[int], gen_seed: int, n_new: int) -> Generation:
-        """One generation with a method, or with the target alone (method None), one prompt at a time."""
-        g = torch.Generator(device=self.target.device).manual_seed(gen_seed) if not self.greedy else None
-        if method is None:
-            return target_generate(self.target, ids, n_new, self.temperature, self.top_p, self.stops, g)
-        return self.decoder.generate(ids, method, n_new, self.temperature, self.top_p, g)
-
     def warm_up(self, sets: list[PromptSet]) -> None:
         """A short generation of every method on the first prompt: kernels, allocator and autotuning settle
         before anything is timed."""
@@ -285,7 +259,7 @@ class _Evaluation:
             return
         ids = first.token_ids or render_prompt(self.tokenizer, [{"role": "user", "content": first.turns[0]}])
         for m in [None, *self.methods]:
-            self.generate(m, ids[:self.limit], self.seed, min(16, self.max_new_tokens))
+            self.decode(m, self.batch_sizes[0], [ids[:self.limit]], [self.seed])
 
     def prompt_set(self, pset: PromptSet) -> None:
         """Turn by turn: every conversation's turn is decoded (by the target, then each method) before the
@@ -350,18 +324,17 @@ class _Evaluation:
         return answers
 
     def decode(self, m: Method | None, batch: int, prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
-        """Every prompt with method m (None: the target alone): batched over static caches, or one at a time.
-        A batch's wall time is shared among its answers by their new tokens."""
+        """Every prompt with method m (None: the target alone), batched over static caches; sampling draws
+        from the decoder's generator seeded with the first seed. A batch's wall time is shared among its
+        answers by their new tokens."""
         if not prompts:
             return []
-        if not self.static:
-            return [self.generate(m, ids, s, self.max_new_tokens) for ids, s in zip(prompts, seeds, strict=True)]
         dec = self.batch_decoder(m, batch, max(len(p) for p in prompts))
         dev = self.target.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        gens = dec.run(prompts)
+        gens = dec.run(prompts, seeds[0])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
@@ -378,9 +351,9 @@ class _Evaluation:
         dec = self.batch_decoders.get(key)
         if dec is None or dec.length < need:
             self.batch_decoders.pop(key, None)
-            proposer = make_batch_proposer(self.decoder.draft) if m is not None else None
-            dec = BatchDecoder(self.target, proposer, m, batch, -(-need // 256) * 256, self.max_new_tokens,
-                               sorted(self.stops))
+            dec = BatchDecoder(self.target, self.proposer if m is not None else None, m, batch, -(-need // 256) * 256,
+                               self.max_new_tokens, sorted(self.stops), temperature=self.temperature,
+                               top_p=self.top_p, seed=self.seed)
             dec.prepare()
             self.batch_decoders[key] = dec
         return dec

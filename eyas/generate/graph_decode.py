@@ -419,10 +419,12 @@ class StepGraphs:
     """Steps captured once per shape as CUDA graphs and replayed: a step reads and writes device tensors
     at fixed addresses only. A new shape gets two eager warm-up runs on a side stream, then one capture;
     all graphs share one memory pool (they never run at the same time). `enabled` False, or a capture
-    that fails (an op that cannot be captured), runs every step eagerly."""
+    that fails (an op that cannot be captured), runs every step eagerly. `generators`: device generators
+    the steps draw from, registered with every graph so each replay draws fresh numbers."""
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.device, self.enabled = device, enabled
+    def __init__(self, device: torch.device, enabled: bool, generators: list[torch.Generator] | None = None
+                 ) -> None:
+        self.device, self.enabled, self.generators = device, enabled, list(generators or [])
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.warm: dict[Hashable, int] = {}
         self.pool: Any = None
@@ -441,6 +443,8 @@ class StepGraphs:
             return lambda: run_on_stream(self.side, step)
         try:
             graph = torch.cuda.CUDAGraph()
+            for generator in self.generators:
+                graph.register_generator_state(generator)
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
                 step()

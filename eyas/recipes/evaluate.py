@@ -84,9 +84,6 @@ class EvalOptions:
         if not parse_chain(self.chain) and not parse_trees(self.tree):
             raise EyasError("nothing to measure: give --chain and/or --tree")
         self.batch_sizes = parse_batch_sizes(self.batch_sizes)
-        if self.engine == "hf" and self.temperature > 0 and self.batch_sizes != [1]:
-            raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf engine decodes batches "
-                            "greedily and samples one prompt at a time: use --temperature 0 or --batch-size 1")
         family(self.family)  # an unknown family is refused here
         if self.tp < 1 or (self.tp > 1 and self.engine != "vllm"):
             raise EyasError(f"--tp {self.tp}: tensor parallelism is vLLM's (--engine vllm); the hf engine runs the "
