@@ -68,6 +68,8 @@ def accept_chain(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generat
     distributions over the target's vocabulary, p [B, K+1, V] the target's. -> accepted counts [B] and the
     next token [B] (from the residual at the first rejection, else from p at K)."""
     B, K = drafts.shape
+    if q.shape[-1] < p.shape[-1]:  # a target whose head is wider than its vocabulary (padded rows)
+        q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
     p_d = p[:, :K].gather(2, drafts[..., None])[..., 0]
     q_d = q.gather(2, drafts[..., None])[..., 0]
     u = torch.rand(B, K, device=p.device, generator=generator)
