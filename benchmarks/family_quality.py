@@ -30,8 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-from eyas.eval.batch_propose import BATCH_PROPOSERS
-
 # name -> (family, more eyas train options, chain length at eval, whether it is a block drafter)
 VARIANTS = {
     "eagle3": ("eagle3", [], "7", False),
@@ -75,14 +73,12 @@ def held_out(out: Path) -> dict:
 
 def evaluate(args: argparse.Namespace, name: str, family: str, chain: str) -> dict:
     """The variant's chain at batch 1 (report.json results) with its speedup at each of --batch-sizes (the
-    serving table), all from one `eyas eval` with the target alone beside it; a family without batched
-    drafting (eyas.eval.batch_propose) is measured at batch 1 only."""
+    serving table), all from one `eyas eval` with the target alone beside it."""
     out = args.out / name / "eval"
-    sizes = args.batch_sizes if family in BATCH_PROPOSERS else [1]
     if not (out / "report.json").is_file():
         eyas("eval", "--draft", str(args.out / name / "draft"), "--model", args.model, "--prompts", args.prompts,
              "--max-prompts", str(args.max_prompts), "--chain", chain, "--tree", "none", "--dtype", args.eval_dtype,
-             "--max-new-tokens", str(args.max_new_tokens), "--batch-size", ",".join(map(str, sizes)),
+             "--max-new-tokens", str(args.max_new_tokens), "--batch-size", ",".join(map(str, args.batch_sizes)),
              "--out", str(out))
     report = json.loads((out / "report.json").read_text())
     method = f"chain-{chain}"
@@ -115,7 +111,7 @@ def print_table(args: argparse.Namespace, rows: list[tuple], block: dict[str, bo
     print("| --- " * (7 + len(args.batch_sizes)) + "|")
     for name, timing, tau_sim, _, r in rows:
         same = f"{r['identical']}/{r['compared']}" if r.get("compared") else "-"
-        speedups = " | ".join(f"{r['speedups'][b]:.2f}x" if b in r["speedups"] else "- (one prompt at a time)"
+        speedups = " | ".join(f"{r['speedups'][b]:.2f}x" if b in r["speedups"] else "-"
                               for b in args.batch_sizes)
         print(f"| {name} | {timing['steps']} | {timing['seconds']:.0f} | {tau_sim:.2f} | {r['method']} "
               f"| {r['tokens_per_target_forward']:.2f} | {speedups} | {same} |")

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eyas.eval import HFTarget, target_generate
+from eyas.eval import BatchDecoder, Generation, HFTarget
+from eyas.eval.proposers import make_proposer
 from eyas.model.attention import TTTAttention
 from eyas.model.config import DraftConfig
 from eyas.model.eagle3 import Eagle3Draft
@@ -33,6 +34,34 @@ def save_tiny_chat_target(folder, tokenizer) -> None:
                       eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+@torch.inference_mode()
+def target_generate(target: HFTarget, prompt: list[int], max_new_tokens: int,
+                    stop_ids: set[int] | frozenset = frozenset()) -> Generation:
+    """The greedy reference: the target alone over transformers' own DynamicCache, one token per forward (no
+    static cache, no batching: independent of eyas' decoder)."""
+    capture, target.capture = target.capture, False
+    cache, ids, pos, out = target.new_cache(), torch.tensor([prompt]), torch.arange(len(prompt))[None], []
+    try:
+        while True:
+            logits, _ = target.forward(ids, pos, cache, last_logits_only=True)
+            out.append(int(logits[-1].argmax()))
+            if out[-1] in stop_ids or len(out) >= max_new_tokens:
+                return Generation(out, 0.0, len(out))
+            ids, pos = torch.tensor([[out[-1]]]), pos[:, -1:] + 1
+    finally:
+        target.capture = capture
+
+
+def speculate(target: HFTarget, draft, prompts: list[list[int]], method, max_new_tokens: int, rows: int = 1,
+              stop_ids=(), proposer=None, **sampling) -> list[Generation]:
+    """eyas' decoder (eyas.eval.batch_decode) on `prompts` with the draft's family proposer (or `proposer`),
+    `rows` at once; `sampling`: temperature, top_p, seed."""
+    if method is not None and proposer is None:
+        proposer = make_proposer(draft)
+    length = max(map(len, prompts)) + max_new_tokens + BatchDecoder.margin(method)
+    return BatchDecoder(target, proposer, method, rows, length, max_new_tokens, list(stop_ids), **sampling).run(prompts)
 
 
 def target_and_continuations(prompt_ids: int = 64) -> tuple[LlamaForCausalLM, list[int], list[list[int]],

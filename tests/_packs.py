@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _draft_utils import capture
-from _eval_utils import target_and_continuations
+from _eval_utils import speculate, target_and_continuations
 from _train_utils import metric_rows
 
 from eyas.engines.head import TargetHead
-from eyas.eval import ChainSpec, HFTarget, SpeculativeDecoder, TreeSpec, evaluate_draft
+from eyas.eval import ChainSpec, HFTarget, TreeSpec, evaluate_draft
+from eyas.eval.proposers import make_proposer
 from eyas.model.config import DraftConfig
 from eyas.model.draft import DraftModel
 from eyas.model.families import load_draft
@@ -115,20 +116,19 @@ def check_proposals(tiny: dict, k: int, reference) -> int:
     token after them. Returns how many rounds were checked."""
     target, aux_ids, draft = tiny["target"], tiny["aux"], tiny["draft"]
     wrapped = HFTarget(target, aux_ids)
-    dec = SpeculativeDecoder(wrapped, draft)
-    rounds, chain = [], dec.proposer.chain
+    proposer = make_proposer(draft)
+    rounds, chain = [], proposer.chain
 
-    def record(cache, pending_tokens, pending_aux, n, *args):
-        L = cache.length + pending_aux.shape[0]
-        out = chain(cache, pending_tokens, pending_aux, n, *args)
-        rounds.append((L, int(pending_tokens[-1]), out[0].tolist()))
+    def record(cache, pending, n, *args):
+        out = chain(cache, pending, n, *args)
+        rounds.append((int(pending.cached[0]), int(pending.newest[0]), out[0][0].tolist()))
         return out
 
-    dec.proposer.chain = record
+    proposer.chain = record
     checked = 0
     for prompt in tiny["prompts"][:3]:
         rounds.clear()
-        seq = prompt + dec.generate(prompt, ChainSpec(k), 24).tokens
+        seq = prompt + speculate(wrapped, draft, [prompt], ChainSpec(k), 24, proposer=proposer)[0].tokens
         aux = capture(target, [seq], aux_ids)[0][1]
         for L, newest, proposed in rounds:
             assert seq[L] == newest

@@ -88,14 +88,16 @@ def tiny():
 
 
 def test_greedy_decoding_is_the_targets_output_with_blocks_of_k(tiny):
-    """fp32 greedy: K proposals from one forward of a block of K (the anchor's slot proposes too), the output
-    the target's own; trained 150 steps, chains of 4 accept well above what an untrained draft does (measured
-    tau 2.18; untrained about 1)."""
+    """fp32 greedy, batched at 1-3 rows: K proposals from one forward of a block of K (the anchor's slot proposes
+    too), the output the target's own; trained 150 steps, chains of 4 accept well above what an untrained draft
+    does (measured tau 2.18; untrained about 1)."""
     res = evaluate_draft(tiny["target"], None, tiny["draft"], tiny["prompts"], chain=[1, B], max_new_tokens=32,
-                         warmup=False, progress=False)
+                         warmup=False, progress=False, batch_sizes=[1, 2, 3])
     table = res.table()["all"]
     for name in ("chain-1", f"chain-{B}"):
         assert table[name]["identical_to_target"] == 1.0 and table[name]["draft_forwards_per_step"] == 1.0
+    assert {r["batch_size"] for r in res.serving} == {1, 2, 3}  # DSpark decodes batched, as every family
+    assert all(r["identical"] == 1.0 for r in res.serving if r["method"] != "target"), res.serving
     assert table[f"chain-{B}"]["tau"] > 1.8 and len(table[f"chain-{B}"]["accept_rate_by_pos"]) == B
     with pytest.raises(EyasError, match="trees"):
         evaluate_draft(tiny["target"], None, tiny["draft"], tiny["prompts"][:1], chain=[], tree=[TreeSpec(8, 3, 2)],

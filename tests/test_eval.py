@@ -8,7 +8,15 @@ import struct
 
 import pytest
 import torch
-from _eval_utils import capture, hf_greedy, make_draft, target_and_continuations, tiny_target, train_draft
+from _eval_utils import (
+    capture,
+    hf_greedy,
+    make_draft,
+    speculate,
+    target_and_continuations,
+    tiny_target,
+    train_draft,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyas.eval import (
@@ -16,17 +24,17 @@ from eyas.eval import (
     ChainSpec,
     HFTarget,
     MethodStats,
-    SpeculativeDecoder,
     TreeSpec,
     evaluate_draft,
     greedy_acceptance,
 )
+from eyas.eval.metrics import Generation
 from eyas.eval.prompts import render_prompt
+from eyas.eval.proposer_base import Pending
+from eyas.eval.proposers import make_proposer
 from eyas.eval.report import load_report, markdown_summary, write_report
 from eyas.eval.serving import ServingRun, best_speedups, runs_of, serving_rows
-from eyas.eval.spec_decode import Generation
-from eyas.eval.target import cache_keep
-from eyas.model.attention import KVCache, TTTAttention
+from eyas.model.attention import StaticKVCache, TTTAttention
 from eyas.train.ttt import shift_left
 from eyas.utils.io import EyasError
 
@@ -66,11 +74,9 @@ def test_tiny_trained_draft_accepts_often_and_output_is_the_targets(tiny, which)
     assert table["chain-4"]["tokens_per_target_forward"] > 2.0
     # independent reference: transformers' own greedy generate
     wrapped = HFTarget(tiny["target"], tiny["aux"])
-    dec = SpeculativeDecoder(wrapped, tiny[which])
-    for p in prompts[:2]:
-        ref = hf_greedy(tiny["target"], p, 32)
-        assert dec.generate(p, ChainSpec(4), 32).tokens == ref
-        assert dec.generate(p, TreeSpec(12, 4, 3), 32).tokens == ref
+    refs = [hf_greedy(tiny["target"], p, 32) for p in prompts[:2]]
+    for method in (ChainSpec(4), TreeSpec(12, 4, 3)):
+        assert [g.tokens for g in speculate(wrapped, tiny[which], prompts[:2], method, 32, rows=2)] == refs
     wrapped.close()
 
 
@@ -82,48 +88,49 @@ def test_untrained_draft_is_still_exact(tiny):
         assert res.overall()[m].new_tokens == 3 * 24
 
 
+def _rounds_of(proposer, kind: str, rounds: list):
+    """Record every round of `proposer.<kind>` (rows=1): (tokens in the target's cache, its output)."""
+    propose = getattr(proposer, kind)
+
+    def record(cache, pending, *args):
+        out = propose(cache, pending, *args)
+        rounds.append((int(pending.cached[0]), [o[0].clone() if o is not None else None for o in out]))
+        return out
+
+    setattr(proposer, kind, record)
+
+
 def test_tree_verify_equals_each_path_run_alone(tiny):
-    """The 4-D tree mask + depth positions give every node the logits and aux states of its own path."""
-    target, aux_ids = tiny["target"], tiny["aux"]
+    """The decoder's tree verify (its 4-D mask over the static cache and depth positions) gives every node the
+    logits and aux states of its own path run alone, in every round of a decoding (the accepted path moved
+    into place in between)."""
+    target, aux_ids, draft = tiny["target"], tiny["aux"], tiny["trained"]
     wrapped = HFTarget(target, aux_ids)
-    dec = SpeculativeDecoder(wrapped, tiny["trained"])
+    proposer, rounds, verified = make_proposer(draft), [], []
+    _rounds_of(proposer, "tree", rounds)
+    hook = target.register_forward_hook(
+        lambda mod, args, kwargs, out: verified.append((kwargs["input_ids"][0].clone(), out.logits[0].clone(),
+                                                        torch.cat([wrapped._captured[a][0] for a in aux_ids], -1)))
+        if kwargs.get("attention_mask") is not None else None, with_kwargs=True)
     prompt = tiny["prompts"][5]
-    with torch.inference_mode():
-        cache = wrapped.new_cache()
-        n = len(prompt)
-        logits, aux = wrapped.forward(torch.tensor([prompt]), torch.arange(n)[None], cache)
-        last = logits[-1].argmax().view(1)
-        dcache = KVCache()
-        root, root_logits = dec.proposer._extend(dcache, torch.cat([torch.tensor(prompt[1:]), last]), aux)
-        tokens, parents, depth, scores = dec.proposer._draft_tree(dcache, root, root_logits, TreeSpec(14, 4, 3))
-        assert dcache.length == n  # speculative entries dropped
-        tree_ids = torch.cat([last, tokens])
-        parent_all = torch.cat([torch.zeros(1, dtype=torch.long), parents])
-        t_logits, t_aux = dec.verify_tree(cache, tree_ids, parent_all, depth, 4)
-        for i in range(len(tree_ids)):
+    try:
+        answer = speculate(wrapped, draft, [prompt], TreeSpec(14, 4, 3), 16, proposer=proposer)[0].tokens
+    finally:
+        hook.remove()
+    assert len(rounds) == len(verified) >= 3
+    for (L, (tokens, parents, _)), (ids, logits, aux) in zip(rounds, verified, strict=True):
+        seq = (prompt + answer)[:L + 1]  # the prefix in the target's cache and the root (the newest token)
+        assert ids.tolist() == seq[-1:] + tokens.tolist()
+        parent_all = [0] + parents.tolist()
+        for i in range(len(ids)):
             path, j = [], i
             while j != 0:
                 path.append(j)
-                j = int(parent_all[j])
-            seq = prompt + [int(last)] + [int(tree_ids[k]) for k in reversed(path)]
-            o = target(torch.tensor([seq]), output_hidden_states=True)
+                j = parent_all[j]
+            o = target(torch.tensor([seq + [int(ids[k]) for k in reversed(path)]]), output_hidden_states=True)
             ref_aux = torch.cat([o.hidden_states[a][0, -1] for a in aux_ids])
-            assert (t_logits[i] - o.logits[0, -1]).abs().max() <= 1e-4 * o.logits[0, -1].abs().max()
-            assert (t_aux[i] - ref_aux).abs().max() <= 1e-4 * ref_aux.abs().max()
-        # keep one path, then the cache continues exactly like a fresh prefix
-        leaf = int(depth.argmax()) + 1
-        path, j = [], leaf
-        while j != 0:
-            path.append(j)
-            j = int(parent_all[j])
-        path = path[::-1]
-        cache_keep(cache, n + 1, n + torch.tensor(path))
-        assert cache.get_seq_length() == n + 1 + len(path)
-        nxt = 7
-        step_logits, _ = wrapped.forward(torch.tensor([[nxt]]), torch.tensor([[n + 1 + len(path)]]), cache)
-        seq = prompt + [int(last)] + [int(tree_ids[k]) for k in path] + [nxt]
-        ref = target(torch.tensor([seq])).logits[0, -1]
-        assert (step_logits[-1] - ref).abs().max() <= 1e-4 * ref.abs().max()
+            assert (logits[i] - o.logits[0, -1]).abs().max() <= 1e-4 * o.logits[0, -1].abs().max()
+            assert (aux[i] - ref_aux).abs().max() <= 1e-4 * ref_aux.abs().max()
     wrapped.close()
 
 
@@ -147,36 +154,34 @@ def test_decoding_proposes_what_training_time_test_predicts(tiny, which):
     are the training unroll's step-0 logits at that row, and the chain's step j those of step j, as long
     as the tokens before it are the true ones (which training feeds). Training accuracy and acceptance
     measure the same predictions; the reference states come from transformers' output_hidden_states,
-    not eval's hooks. With two decoder layers, each keeps its own keys in training and in the cache."""
+    not eval's hooks. With two decoder layers, each keeps its own keys in the cache."""
     target, aux_ids, draft = tiny["target"], tiny["aux"], tiny[which]
     wrapped = HFTarget(target, aux_ids)
-    dec = SpeculativeDecoder(wrapped, draft)
+    proposer = make_proposer(draft)
     rounds: list[tuple[int, list[torch.Tensor], list[int]]] = []  # (L, logits of steps 0.., proposed tokens)
-    chain, tree, step = dec.proposer._draft_chain, dec.proposer._draft_tree, dec.proposer._draft_step
+    logits_of, propose = draft.logits, {"chain": proposer.chain, "tree": proposer.tree}
 
-    def record_step(*args):
-        out = step(*args)
-        rounds[-1][1].append(out[1][-1].clone())
-        return out
+    def recorded(kind):
+        def run(cache, pending, *args):
+            rounds.append((int(pending.cached[0]), [], []))
+            draft.logits = lambda h: rounds[-1][1].append(logits_of(h)[0, -1].clone()) or logits_of(h)
+            try:
+                out = propose[kind](cache, pending, *args)
+            finally:
+                del draft.logits
+            if kind == "chain":
+                rounds[-1][2].extend(out[0][0].tolist())
+            else:
+                del rounds[-1][1][1:]  # the tree's later steps score a whole frontier: the root alone is checked
+            return out
+        return run
 
-    def record_chain(cache, root, logits, *args):
-        rounds.append((cache.length, [logits.clone()], []))
-        dec.proposer._draft_step = record_step
-        out = chain(cache, root, logits, *args)
-        dec.proposer._draft_step = step
-        rounds[-1][2].extend(out[0].tolist())
-        return out
-
-    def record_tree(cache, root, logits, spec):
-        rounds.append((cache.length, [logits.clone()], []))
-        return tree(cache, root, logits, spec)
-
-    dec.proposer._draft_chain, dec.proposer._draft_tree = record_chain, record_tree
+    proposer.chain, proposer.tree = recorded("chain"), recorded("tree")
     checked = 0
     for prompt in tiny["prompts"][:3]:
         for method in (ChainSpec(4), TreeSpec(12, 4, 3)):
             rounds.clear()
-            seq = prompt + dec.generate(prompt, method, 24).tokens
+            seq = prompt + speculate(wrapped, draft, [prompt], method, 24, proposer=proposer)[0].tokens
             pred = ttt_logits(draft, seq, capture(target, [seq], aux_ids)[0][1], 4)  # [4, T, V_d]
             for L, logits, proposed in rounds:
                 root = L - 1
@@ -190,37 +195,44 @@ def test_decoding_proposes_what_training_time_test_predicts(tiny, which):
     assert checked >= 40, checked
 
 
-def test_dynamic_tree_is_eagle2_selection(tiny):
-    """Top `total` nodes by cumulative draft log-prob, closed under ancestors, siblings distinct, depth <= D."""
-    wrapped = HFTarget(tiny["target"], tiny["aux"])
-    dec = SpeculativeDecoder(wrapped, tiny["untrained"])
-    prompt = tiny["prompts"][0]
-    spec = TreeSpec(20, 5, 3)
+def _after_prompt(wrapped: HFTarget, proposer, prompt: list[int], window: int = 0
+                  ) -> tuple[StaticKVCache, Pending]:
+    """A draft cache holding the prompt's entries and one row's pending entry (the target's first token with its
+    state before it), as the decoder leaves them after a prefill."""
     with torch.inference_mode():
         logits, aux = wrapped.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], wrapped.new_cache())
-        dcache = KVCache()
-        pending = torch.cat([torch.tensor(prompt[1:]), logits[-1].argmax().view(1)])
-        root, root_logits = dec.proposer._extend(dcache, pending, aux)
-        tokens, parents, depth, scores = dec.proposer._draft_tree(dcache, root, root_logits, spec)
+    cache = StaticKVCache(1, len(prompt) + 64, window)
+    proposer.prefill(cache, 0, torch.tensor(prompt[1:]), aux[:-1])
+    first = logits[-1].argmax().view(1, 1)
+    return cache, Pending(first, aux[-1:][None], torch.ones(1, dtype=torch.long), torch.tensor([len(prompt)]))
+
+
+@torch.inference_mode()
+def test_dynamic_tree_is_eagle2_selection(tiny):
+    """`total` nodes, closed under ancestors (parents come first), siblings distinct, depth <= D, and the root's
+    children the draft's top-k tokens."""
+    wrapped = HFTarget(tiny["target"], tiny["aux"])
+    proposer = make_proposer(tiny["untrained"])
+    cache, pending = _after_prompt(wrapped, proposer, tiny["prompts"][0])
+    _, root_logits = proposer._extend(cache, pending)
+    tokens, parents, depth = (t[0] for t in proposer.tree(cache, pending, TreeSpec(20, 5, 3)))
+    wrapped.close()
     assert tokens.numel() == 20 and int(depth.max()) <= 5
     for i in range(20):
         p = int(parents[i])
         assert p <= i  # parents come first (index p-1 < i), 0 is the root
         assert int(depth[i]) == (1 if p == 0 else int(depth[p - 1]) + 1)
-        if p:
-            assert scores[i] <= scores[p - 1] + 1e-6
     for p in set(parents.tolist()):
         sib = tokens[parents == p].tolist()
         assert len(sib) == len(set(sib))
-    # the root's top-k children are the draft's top-k tokens
-    first = torch.log_softmax(root_logits, -1).topk(3)
-    assert torch.allclose(scores[parents == 0].sort(descending=True).values, first.values, atol=1e-5)
+    top = proposer.d2t_ids[root_logits[0].topk(3).indices]
+    assert sorted(tokens[parents == 0].tolist()) == sorted(top.tolist())
 
 
 def test_a_windowed_drafts_tree_sees_what_its_chain_sees():
     """--draft-window: a one-wide tree (top_k 1) follows the same path as the chain (the tree's context mask
-    applies the window from each depth's position, the chain's KV cache from its own), and the window
-    binds here (the chain without it proposes otherwise)."""
+    applies the window from each depth's position, the chain's from its own), and the window binds here (the
+    chain without it proposes otherwise)."""
     target, aux, _, seqs = target_and_continuations()
     draft = make_draft(target, aux, 48, seqs, seed=1)
     for p in draft.parameters():  # larger weights than the init: attention must matter
@@ -231,24 +243,16 @@ def test_a_windowed_drafts_tree_sees_what_its_chain_sees():
 
     def chain_and_tree(window: int) -> tuple[list[int], list[int]]:
         draft.config.sliding_window = window
-        dec = SpeculativeDecoder(wrapped, draft)
-        out = []
-        for tree in (False, True):
-            logits, states = wrapped.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None],
-                                             wrapped.new_cache())
-            cache = dec.proposer.new_cache()
-            pending = torch.cat([torch.tensor(prompt[1:]), logits[-1].argmax().view(1)])
-            root, root_logits = dec.proposer._extend(cache, pending, states)
-            if tree:
-                tokens = dec.proposer._draft_tree(cache, root, root_logits, TreeSpec(5, 5, 1))[0]
-            else:
-                tokens = dec.proposer._draft_chain(cache, root, root_logits, 5, 0.0, 1.0, None)[0]
-            out.append(tokens.tolist())
-        return out[0], out[1]
+        proposer = make_proposer(draft)
+        cache, pending = _after_prompt(wrapped, proposer, prompt, window)
+        chain = proposer.chain(cache, pending, 5)[0][0].tolist()
+        cache, pending = _after_prompt(wrapped, proposer, prompt, window)
+        return chain, proposer.tree(cache, pending, TreeSpec(5, 5, 1))[0][0].tolist()
 
     with torch.inference_mode():
         chain, tree = chain_and_tree(3)
         full_chain, full_tree = chain_and_tree(0)
+    draft.config.sliding_window = 0
     wrapped.close()
     assert tree == chain and full_tree == full_chain
     assert chain != full_chain
@@ -259,15 +263,16 @@ def test_draft_cache_extend_in_pieces_equals_one_pass(tiny):
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 64, (10,), generator=g)
     aux = torch.randn(10, 3 * 64, generator=g)
-    wrapped = HFTarget(tiny["target"], tiny["aux"])
-    dec = SpeculativeDecoder(wrapped, draft)
+    proposer = make_proposer(draft)
+
+    def pending(a, b):
+        return Pending(tokens[None, a:b], aux[None, a:b], torch.tensor([b - a]), torch.tensor([b]))
+
     with torch.inference_mode():
-        full = KVCache()
-        out_all, logits_all = dec.proposer._extend(full, tokens, aux)
-        parts = KVCache()
-        dec.proposer._extend(parts, tokens[:6], aux[:6])
-        out_parts, logits_parts = dec.proposer._extend(parts, tokens[6:], aux[6:])
-    wrapped.close()
+        out_all, logits_all = proposer._extend(StaticKVCache(1, 32), pending(0, 10))
+        parts = StaticKVCache(1, 32)
+        proposer._extend(parts, pending(0, 6))
+        out_parts, logits_parts = proposer._extend(parts, pending(6, 10))
     assert torch.allclose(out_all, out_parts, atol=1e-5) and torch.allclose(logits_all, logits_parts, atol=1e-4)
 
 
@@ -288,11 +293,10 @@ def test_smollm2_greedy_identical_untrained_and_trained(smollm2_dir):
     train_draft(trained, capture(model, seqs, aux), steps=40)
     wrapped = HFTarget(model, aux)
     for draft, min_tau in ((untrained, 1.0), (trained, 2.5)):
-        dec = SpeculativeDecoder(wrapped, draft)  # no stop ids: always n tokens, like hf_greedy
         for method in (ChainSpec(4), TreeSpec(16, 4, 4)):
             accepted = []
-            for p, ref in zip(prompts, refs, strict=True):
-                out = dec.generate(p, method, n)
+            # no stop ids: always n tokens, like hf_greedy; both prompts side by side
+            for out, ref in zip(speculate(wrapped, draft, prompts, method, n, rows=2), refs, strict=True):
                 assert out.tokens == ref, (method, draft is trained)
                 accepted += out.accepted
             tau = 1 + sum(accepted) / len(accepted)

@@ -10,13 +10,10 @@ import pytest
 import torch
 from _dflash_utils import capture as capture_dist
 from _dflash_utils import make_dflash, train_dflash
-from _eval_utils import capture, make_draft, target_and_continuations, train_draft
+from _eval_utils import capture, make_draft, speculate, target_and_continuations, target_generate, train_draft
 from _peagle_utils import make_peagle, train_peagle
 
-from eyas.eval import BASELINE, ChainSpec, HFTarget, TreeSpec, evaluate_draft, target_generate
-from eyas.eval.batch_decode import BatchDecoder
-from eyas.eval.batch_propose import make_batch_proposer
-from eyas.utils.io import EyasError
+from eyas.eval import BASELINE, ChainSpec, HFTarget, TreeSpec, evaluate_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,17 +42,15 @@ def tiny():
 
 
 def _decode(tiny, family, method, batch):
-    proposer = make_batch_proposer(tiny[family]) if family else None
-    length = 24 + 17 + BatchDecoder.margin(method)
-    dec = BatchDecoder(tiny["wrapped"], proposer, method, batch, length, 24, [tiny["stop"]])
-    return dec.run(tiny["prompts"])
+    return speculate(tiny["wrapped"], tiny[family] if family else None, tiny["prompts"], method, 24, batch,
+                     [tiny["stop"]])
 
 
 @pytest.mark.parametrize("family,method", [
     (None, None), ("eagle3", ChainSpec(1)), ("eagle3", ChainSpec(4)), ("eagle3", TreeSpec(12, 4, 3)),
     ("eagle3", TreeSpec(4, 3, 2)), ("dflash", ChainSpec(4)), ("peagle", ChainSpec(3))])
 def test_batched_output_is_the_targets_at_every_batch_size(tiny, family, method):
-    for batch in (1, 3):
+    for batch in (1, 2, 3):
         gens = _decode(tiny, family, method, batch)
         assert [g.tokens for g in gens] == tiny["answers"], (family, method, batch)
         if method is None:
@@ -98,12 +93,6 @@ def test_eval_at_several_batch_sizes_reports_the_serving_table(tiny):
     assert json.loads(json.dumps(res.to_dict()))["serving"] == res.serving
 
 
-def test_sampling_refuses_batches(tiny):
-    with pytest.raises(EyasError, match="greedily"):
-        evaluate_draft(tiny["target"], None, tiny["eagle3"], tiny["prompts"][:2], chain=[2], temperature=0.7,
-                       max_new_tokens=4, batch_sizes=[1, 2], progress=False)
-
-
 def test_cli_eval_batch_size_two_random_draft_float32_is_the_targets(smollm2_dir, tmp_path):
     """`eyas eval --batch-size 2` on a random draft, float32 on the CPU: the output is the target's."""
     from eyas.recipes.evaluate import EvalOptions, run_eval
@@ -119,22 +108,18 @@ def test_cli_eval_batch_size_two_random_draft_float32_is_the_targets(smollm2_dir
 
 @pytest.mark.parametrize("method", [ChainSpec(4), TreeSpec(12, 4, 3)])
 def test_a_windowed_draft_decodes_batched_as_it_does_alone(tiny, method):
-    """--draft-window: the batched decoder's masks apply the draft's sliding window as the one-prompt decoder's
-    KV cache does (the same accepted counts, row by row, at batch 1 and 3), and the window binds (without it the
-    draft is accepted otherwise)."""
-    from eyas.eval.spec_decode import SpeculativeDecoder
-
+    """--draft-window: the batched decoder's masks apply the draft's sliding window the same way at every batch
+    size (the same accepted counts, row by row, at batch 1 and 3; the output the target's), and the window
+    binds (without it the draft is accepted otherwise)."""
     draft = tiny["eagle3"]
     try:
         counts = {}
         for window in (3, 0):
             draft.config.sliding_window = window
-            alone = SpeculativeDecoder(tiny["wrapped"], draft, {tiny["stop"]})
-            counts[window] = [alone.generate(p, method, 24).accepted for p in tiny["prompts"]]
             for batch in (1, 3):
                 gens = _decode(tiny, "eagle3", method, batch)
                 assert [g.tokens for g in gens] == tiny["answers"], (window, batch)
-                assert [g.accepted for g in gens] == counts[window], (window, batch)
+                assert [g.accepted for g in gens] == counts.setdefault(window, [g.accepted for g in gens])
         assert counts[3] != counts[0]
     finally:
         draft.config.sliding_window = 0

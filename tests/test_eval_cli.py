@@ -203,8 +203,8 @@ def test_closing_words_on_a_gpu_name_the_card_and_batch_size(tiny_folder, tmp_pa
 
 
 def test_batch_sizes_are_checked_where_they_are_given(tiny_folder, tmp_path):
-    """--batch-size takes comma-separated whole numbers, each at most once; the hf backend decodes batches
-    greedily only, and a batch larger than the run's requests is refused before anything loads."""
+    """--batch-size takes comma-separated whole numbers, each at most once, greedy or sampled, and a batch larger
+    than the run's requests is refused before anything loads."""
     from eyas.recipes.evaluate import EvalOptions, run_eval
 
     assert EvalOptions(draft="random").batch_sizes == [1]
@@ -213,9 +213,7 @@ def test_batch_sizes_are_checked_where_they_are_given(tiny_folder, tmp_path):
                          ([True], "whole")):
         with pytest.raises(EyasError, match=message):
             EvalOptions(draft="random", engine="vllm", batch_sizes=bad)
-    assert EvalOptions(draft="random", batch_sizes=[4, 1]).batch_sizes == [1, 4]
-    with pytest.raises(EyasError, match="the hf engine decodes batches greedily.*--temperature 0"):
-        EvalOptions(draft="random", batch_sizes=[1, 4], temperature=0.7)
+    assert EvalOptions(draft="random", batch_sizes=[4, 1], temperature=0.7).batch_sizes == [1, 4]  # sampled too
     res = subprocess.run([sys.executable, "-m", "eyas.cli", "eval", "--draft", "random", "--backend", "vllm",
                           "--batch-size", "1,four"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--batch-size '1,four'" in res.stderr and "Traceback" not in res.stderr, res.stderr

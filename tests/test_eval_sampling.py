@@ -1,8 +1,9 @@
 """Speculative sampling is lossless: the tokens it emits follow the target's own sampling distribution.
 
-Chi-square tests with fixed seeds on (1) the acceptance rules alone, many draws on small random
-distributions, with a wrong rule as a control that the test can fail, and (2) end to end on a tiny
-Llama target (vocab 8) with a random EAGLE-3 draft, chain and tree, against the exact joint
+Chi-square tests with fixed seeds on (1) the batched acceptance rules alone (eyas.eval.sampling), many rows
+of draws on small random distributions at once, with a wrong rule as a control that the test can fail, and
+(2) end to end through the batched decoder on a tiny Llama target (vocab 8) with a random draft of every
+family (EAGLE-3 chain and tree, DFlash, P-EAGLE, DSpark), many rows at once, against the exact joint
 distribution of the first generated tokens computed from the target itself.
 """
 
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dflash_utils import make_dflash
+from _draft_utils import draft_for_target
+from _eval_utils import speculate
+from _peagle_utils import make_peagle
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eyas.eval import ChainSpec, HFTarget, SpeculativeDecoder, TreeSpec
-from eyas.eval.sampling import sample, target_probs, verify_chain_sampling, walk_tree_sampling
-from eyas.model.config import DraftConfig
+from eyas.eval import ChainSpec, HFTarget, TreeSpec
+from eyas.eval.sampling import accept_chain, accept_tree, draw, target_probs
+from eyas.model.config import DraftConfig, DraftOptions
+from eyas.model.dspark import DSparkDraft
 from eyas.model.eagle3 import Eagle3Draft
 
 
@@ -69,19 +75,23 @@ def _random_dists(rows: int, vocab: int, g: torch.Generator, scale: float = 1.5)
     return torch.softmax(torch.randn(rows, vocab, generator=g) * scale, dim=-1)
 
 
+def test_draws_follow_their_distribution():
+    g = torch.Generator().manual_seed(5)
+    p = _random_dists(1, 8, g)[0]
+    assert chi2_pvalue(torch.bincount(draw(p.expand(6000, -1), g), minlength=8), p) > P_MIN
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_chain_rule_emits_the_target_distribution(k):
+    """6000 rows at once, each its own draft and acceptance: the first token emitted follows p[0]."""
     g = torch.Generator().manual_seed(10 + k)
     V, N = 8, 6000
     p, q = _random_dists(k + 1, V, g), _random_dists(k, V, g)
-    first, accepted = torch.zeros(V), 0
-    for _ in range(N):
-        d = sample(q, g)  # [K] one draft token per position, drawn from q
-        n, nxt = verify_chain_sampling(d, q, p, g)
-        first[int(d[0]) if n > 0 else nxt] += 1
-        accepted += n
-    assert chi2_pvalue(first, p[0]) > P_MIN
-    assert 0.1 < accepted / (N * k) < 0.9  # both the accept and the resample branches ran
+    d = draw(q.expand(N, -1, -1), g)  # [N, K] one draft token per position, drawn from q
+    acc, nxt = accept_chain(d, q.expand(N, -1, -1), p.expand(N, -1, -1), g)
+    first = torch.where(acc > 0, d[:, 0], nxt)
+    assert chi2_pvalue(torch.bincount(first, minlength=V), p[0]) > P_MIN
+    assert 0.1 < acc.sum() / (N * k) < 0.9  # both the accept and the resample branches ran
 
 
 def test_chain_rule_control_a_wrong_rule_fails():
@@ -89,33 +99,28 @@ def test_chain_rule_control_a_wrong_rule_fails():
     g = torch.Generator().manual_seed(3)
     V, N = 8, 6000
     p, q = _random_dists(2, V, g), _random_dists(1, V, g)
-    first = torch.zeros(V)
-    for _ in range(N):
-        d = int(sample(q[0], g))
-        if torch.rand((), generator=g) < p[0, d]:
-            first[d] += 1
-        else:
-            first[int(sample(p[0], g))] += 1
-    assert chi2_pvalue(first, p[0]) < 1e-6
+    d = draw(q[0].expand(N, -1), g)
+    keep = torch.rand(N, generator=g) < p[0, d]
+    first = torch.where(keep, d, draw(p[0].expand(N, -1), g))
+    assert chi2_pvalue(torch.bincount(first, minlength=V), p[0]) < 1e-6
 
 
 def test_tree_rule_emits_the_target_distribution():
-    """A fixed tree: root -> tokens (2, 5, 1); node 1 (token 2) -> tokens (0, 2). First token ~ p[root]; after
-    token 2 the next one ~ p[node 1] (whether node 1's children are accepted or the residual is sampled)."""
+    """A fixed tree on 6000 rows: root -> tokens (2, 5, 1); node 1 (token 2) -> tokens (0, 2). First token ~
+    p[root]; after token 2 the next one ~ p[node 1] (whether node 1's children are accepted or the residual
+    is sampled)."""
     g = torch.Generator().manual_seed(7)
     V, N = 8, 6000
-    parents = [0, 0, 0, 0, 1, 1]
-    tokens = [9, 2, 5, 1, 0, 2]  # tokens[0] is the root's own token, unused
+    parents = torch.tensor([0, 0, 0, 1, 1]).expand(N, -1)
+    ids = torch.tensor([6, 2, 5, 1, 0, 2]).expand(N, -1)  # ids[0] is the root's own token, unused
     p = _random_dists(6, V, g, scale=1.0)
-    first, second = torch.zeros(V), torch.zeros(V)
-    for _ in range(N):
-        path, nxt = walk_tree_sampling(parents, tokens, p, g)
-        out = [tokens[i] for i in path] + [nxt]
-        first[out[0]] += 1
-        if path and path[0] == 1:
-            second[out[1]] += 1
-    assert chi2_pvalue(first, p[0]) > P_MIN
-    assert second.sum() > 500 and chi2_pvalue(second, p[1]) > P_MIN
+    acc, path, nxt = accept_tree(ids, parents, p.expand(N, -1, -1), 2, g)
+    out = torch.cat([ids.gather(1, path[:, 1:]), nxt[:, None]], dim=1)  # accepted tokens, then the next
+    out = out.scatter(1, acc[:, None], nxt[:, None])
+    assert chi2_pvalue(torch.bincount(out[:, 0], minlength=V), p[0]) > P_MIN
+    second = out[path[:, 1] == 1, 1]
+    assert second.numel() > 500 and chi2_pvalue(torch.bincount(second, minlength=V), p[1]) > P_MIN
+    assert (acc == 0).any() and (acc == 2).any()  # every branch ran: rejections, a whole path
 
 
 # -- end to end on a tiny model --------------------------------------------------------------------
@@ -123,19 +128,25 @@ def test_tree_rule_emits_the_target_distribution():
 
 @pytest.fixture(scope="module")
 def tiny_pair():
+    """A tiny target (vocab 8) and a random draft of every family that agrees with it only sometimes."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, max_position_embeddings=64, initializer_range=0.5,
                       eos_token_id=None, bos_token_id=None, pad_token_id=None)
     cfg._attn_implementation = "sdpa"
     target = LlamaForCausalLM(cfg).eval()
-    draft = Eagle3Draft(DraftConfig.from_target_config(cfg, [0, 1], draft_vocab_size=8))
+    eagle3 = Eagle3Draft(DraftConfig.from_target_config(cfg, [0, 1], draft_vocab_size=8))
+    eagle3.load_target_embedding(target.get_input_embeddings().weight.detach())
+    drafts = {"eagle3": eagle3, "dflash": make_dflash(target, [0, 1], 8, block_size=3, mask_token_id=7),
+              "peagle": make_peagle(target, [0, 1], 8, mask_token_id=7),
+              "dspark": draft_for_target(DSparkDraft, target, [0, 1], DraftOptions(
+                  family="dspark", draft_vocab_size=8, block_size=3, mask_token_id=7, markov_rank=4), None, 0)}
     with torch.no_grad():
-        for p in draft.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.5)  # a random draft that agrees with the target only sometimes
-    draft.load_target_embedding(target.get_input_embeddings().weight.detach())
-    return target, draft.eval()
+        for draft in drafts.values():
+            for p in draft.parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.5)
+    return target, {name: d.eval() for name, d in drafts.items()}
 
 
 @torch.no_grad()
@@ -152,27 +163,30 @@ def exact_joint(target, prompt: list[int], temperature: float, top_p: float) -> 
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@pytest.mark.parametrize("method,temperature,top_p", [
-    (ChainSpec(2), 1.0, 1.0),
-    (TreeSpec(6, 2, 3), 0.8, 0.9),
+@pytest.mark.parametrize("family,method,temperature,top_p", [
+    ("eagle3", ChainSpec(2), 1.0, 1.0),
+    ("eagle3", TreeSpec(6, 2, 3), 0.8, 0.9),
+    ("dflash", ChainSpec(2), 1.0, 1.0),
+    ("peagle", ChainSpec(2), 0.8, 0.9),
+    ("dspark", ChainSpec(3), 1.0, 1.0),
 ])
-def test_speculative_sampling_end_to_end_keeps_the_target_distribution(tiny_pair, method, temperature, top_p):
-    target, draft = tiny_pair
+def test_speculative_sampling_end_to_end_keeps_the_target_distribution(tiny_pair, family, method, temperature,
+                                                                        top_p):
+    """3000 generations of 3 tokens, 64 rows at a time through the batched decoder: the first two tokens jointly
+    and the third follow the target's own sampling distribution."""
+    target, drafts = tiny_pair
     prompt = [1, 5, 3]
     joint = exact_joint(target, prompt, temperature, top_p)  # [8, 8, 8]
-    dec = SpeculativeDecoder(HFTarget(target, [0, 1]), draft)
+    wrapped = HFTarget(target, [0, 1])
     V, N = 8, 3000
-    g = torch.Generator().manual_seed(1234)
+    gens = speculate(wrapped, drafts[family], [prompt] * N, method, 3, rows=64, temperature=temperature,
+                     top_p=top_p, seed=1)
+    wrapped.close()
+    assert all(len(g.tokens) == 3 for g in gens)
     counts = torch.zeros(V, V, V)
-    steps = accepted = 0
-    for _ in range(N):
-        out = dec.generate(prompt, method, 3, temperature=temperature, top_p=top_p, generator=g)
-        assert len(out.tokens) == 3
-        counts[tuple(out.tokens)] += 1
-        steps += len(out.accepted)
-        accepted += sum(out.accepted)
-    dec.target.close()
-    # the first two tokens jointly (64 cells), and the third one (8 cells), against the exact values
+    for g in gens:
+        counts[tuple(g.tokens)] += 1
     assert chi2_pvalue(counts.sum(2), joint.sum(2)) > P_MIN
     assert chi2_pvalue(counts.sum((0, 1)), joint.sum((0, 1))) > P_MIN
-    assert 0.1 < accepted / steps < 0.9 * method.max_accept  # drafts were accepted and rejected
+    steps = [a for g in gens for a in g.accepted]
+    assert 0.1 < sum(steps) / len(steps) < 0.9 * method.max_accept  # drafts were accepted and rejected

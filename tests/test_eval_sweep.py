@@ -99,7 +99,7 @@ class BusyMachine:
         return time.perf_counter() + self.lag
 
 
-@pytest.mark.parametrize("batch_sizes,temperature", [([1, 2], 0.0), ([1], 0.7)])  # batched; one prompt at a time
+@pytest.mark.parametrize("batch_sizes,temperature", [([1, 2], 0.0), ([1, 2], 0.7)])  # greedy and sampled batches
 def test_a_noisy_clock_puts_no_impossible_speedup_in_the_report_or_the_closing_words(trained, tmp_path, batch_sizes,
                                                                                      temperature):
     clock = BusyMachine()

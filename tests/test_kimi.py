@@ -99,3 +99,26 @@ def test_kimi_through_every_stage(tmp_path, kimi, monkeypatch):
     assert set(result["methods"]) == {"chain-2", "tree-4:2:2"}
     overall = result["results"]["all"]
     assert all(overall[m]["identical_to_target"] for m in result["methods"])  # greedy: lossless
+
+
+def test_an_mla_target_decodes_batched_over_static_caches(kimi):
+    """MLA caches a latent and a rotary key, not per-head keys and values: the static decoder's cache takes the
+    shapes the layers write, so a Kimi target decodes batched (chain and tree, greedy) as it does alone, and no
+    fallback is taken."""
+    import warnings
+
+    from _eval_utils import make_draft
+    from transformers import AutoModelForImageTextToText
+
+    from eyas.eval import evaluate_draft
+
+    model = AutoModelForImageTextToText.from_pretrained(kimi, dtype=torch.float32).eval()
+    draft = make_draft(model, AUX, 64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(20, 200, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to eager decoding warns
+        res = evaluate_draft(model, None, draft, prompts, chain=[2], tree=["4:2:2"], max_new_tokens=6,
+                             batch_sizes=[1, 2], progress=False, stop_ids=set())
+    rows = {(r["batch_size"], r["method"]): r for r in res.serving}
+    assert all(rows[(b, m)]["identical"] == 1.0 for b in (1, 2) for m in ("chain-2", "tree-4:2:2"))

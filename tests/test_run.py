@@ -169,7 +169,6 @@ def test_the_eval_section_takes_batch_sizes(tmp_path):
     assert eval_options("  backend: vllm\n  batch_sizes: [1, 64]\n").batch_sizes == [1, 64]
     assert eval_options("  chain: '3'\n").batch_sizes == [1]
     assert eval_options("  batch_sizes: 4,1\n").batch_sizes == [1, 4]
-    with pytest.raises(EyasError, match=r"c.yaml: eval: --batch-size 1,4: the hf engine decodes batches greedily"):
-        eval_options("  batch_sizes: 1,4\n  temperature: 0.7\n")
+    assert eval_options("  batch_sizes: 1,4\n  temperature: 0.7\n").batch_sizes == [1, 4]  # sampled batches too
     with pytest.raises(EyasError, match=r"c.yaml: eval.*batch.size"):
         eval_options("  backend: vllm\n  batch_sizes: [0]\n")

@@ -5,16 +5,16 @@
     write_report(result, "eval/")
 """
 
-from eyas.eval.metrics import BASELINE, MethodStats
+from eyas.eval.batch_decode import BatchDecoder
+from eyas.eval.metrics import BASELINE, Generation, MethodStats
 from eyas.eval.prompts import PromptItem, PromptSet, humaneval_set, load_prompt_sets, mtbench_set
 from eyas.eval.proposer_base import ChainSpec, TreeSpec
 from eyas.eval.report import load_report, write_report
 from eyas.eval.runner import EvalResult, evaluate_draft, greedy_acceptance
-from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
 from eyas.eval.target import HFTarget
 
 __all__ = [
-    "BASELINE", "ChainSpec", "EvalResult", "Generation", "HFTarget", "MethodStats", "PromptItem", "PromptSet",
-    "SpeculativeDecoder", "TreeSpec", "evaluate_draft", "greedy_acceptance", "humaneval_set", "load_prompt_sets",
-    "load_report", "mtbench_set", "target_generate", "write_report",
+    "BASELINE", "BatchDecoder", "ChainSpec", "EvalResult", "Generation", "HFTarget", "MethodStats", "PromptItem",
+    "PromptSet", "TreeSpec", "evaluate_draft", "greedy_acceptance", "humaneval_set", "load_prompt_sets",
+    "load_report", "mtbench_set", "write_report",
 ]

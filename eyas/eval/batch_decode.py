@@ -1,15 +1,17 @@
-"""Greedy speculative decoding (or the target alone) of many prompts at once, over static KV caches, each
-round one CUDA graph.
+"""Speculative decoding (or the target alone) of many prompts at once, greedy or sampled, over static KV caches,
+each round one CUDA graph: eyas' one decoder, for every family and every target eval takes.
 
 The target's cache is the regeneration decoder's `Lane` (eyas.generate.graph_decode: one preallocated KV
 cache of `rows` sequences, written through transformers' cache contract, attended with its grouped
 attention, checked against a plain forward by `check_model`); the draft's is a StaticKVCache. One round
-of every row (the family's drafting, eyas.eval.batch_propose; the target's verify forward over a chain of
-K+1 tokens or an EAGLE-2 tree with its mask; greedy acceptance; moving a tree's accepted path into place;
+of every row (the family's drafting, eyas.eval.proposers; the target's verify forward over a chain of
+K+1 tokens or an EAGLE-2 tree with its mask; greedy acceptance, or lossless rejection sampling per row
+(eyas.eval.sampling) with the decoder's device generator; moving a tree's accepted path into place;
 the output, stop test and counters) reads and writes device tensors only, so it is captured once per
 attended width and replayed (`StepGraphs`); on a CPU it runs as it is. Each row accepts its own number
 of tokens; the host looks every `rounds_per_poll` rounds, hands the finished rows their next prompt
-(prefilled eagerly) and keeps the rest going. Sampling is eyas.eval.spec_decode's (one prompt at a time).
+(prefilled eagerly) and keeps the rest going. An MLA target caches a latent in place of keys and values:
+the Lane takes whatever shapes the layers write.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from eyas.eval.batch_propose import BatchProposer, Pending
-from eyas.eval.proposer_base import ChainSpec, Method
-from eyas.eval.spec_decode import Generation
+from eyas.eval.metrics import Generation
+from eyas.eval.proposer_base import ChainSpec, Method, Pending, Proposer
+from eyas.eval.sampling import Sampling, accept_chain, accept_tree
 from eyas.eval.target import HFTarget
 from eyas.generate.graph_decode import Lane, StepGraphs, attention_of
 from eyas.model.attention import StaticKVCache
@@ -29,16 +31,23 @@ from eyas.model.attention import StaticKVCache
 class BatchDecoder:
     """`rows` prompts decoded together with `method` (None: the target alone); `run(prompts)` -> Generations
     (their `seconds` are left 0: a batch is timed as a whole). `length`: cache slots per row, at least the
-    longest prompt + max_new_tokens + `margin(method)`."""
+    longest prompt + max_new_tokens + `margin(method)`. temperature 0 is greedy; above it every token follows
+    the target's own sampling distribution (temperature, top_p), drawn from one device generator (`seed`)."""
 
-    def __init__(self, target: HFTarget, proposer: BatchProposer | None, method: Method | None, rows: int,
+    def __init__(self, target: HFTarget, proposer: Proposer | None, method: Method | None, rows: int,
                  length: int, max_new_tokens: int, stop_ids: Sequence[int], graphs: bool | None = None,
-                 rounds_per_poll: int | None = None) -> None:
+                 rounds_per_poll: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> None:
+        if method is not None and proposer is not None:
+            proposer.check(method)
         self.target, self.proposer, self.method = target, proposer, method
+        self.sampling = (Sampling(temperature, top_p, torch.Generator(device=target.device).manual_seed(seed))
+                         if temperature > 0 else None)
         self.model, dev = target.model, target.device
         self.rows, self.length, self.max_new = rows, length, max_new_tokens
         cuda = dev.type == "cuda"
-        self.graphs = StepGraphs(dev, cuda if graphs is None else graphs)
+        self.graphs = StepGraphs(dev, cuda if graphs is None else graphs,
+                                 [self.sampling.generator] if self.sampling else [])
         if rounds_per_poll is None:
             rounds_per_poll = (4 if method is None else 2) if self.graphs.enabled else 1
         self.rounds_per_poll = rounds_per_poll
@@ -93,8 +102,11 @@ class BatchDecoder:
         torch.cuda.synchronize(self.target.device)
 
     @torch.inference_mode()
-    def run(self, prompts: Sequence[list[int]]) -> list[Generation]:
-        """Decode every prompt (token ids); the results come back in the order given."""
+    def run(self, prompts: Sequence[list[int]], seed: int | None = None) -> list[Generation]:
+        """Decode every prompt (token ids); the results come back in the order given. `seed` (sampling):
+        reseed the decoder's generator first."""
+        if seed is not None and self.sampling is not None:
+            self.sampling.generator.manual_seed(seed)
         queue = list(enumerate(prompts))[::-1]
         results: list[Generation | None] = [None] * len(prompts)
         self.target.capture = self.proposer is not None
@@ -123,7 +135,8 @@ class BatchDecoder:
                                               past_key_values=self.lane, use_cache=True).last_hidden_state
         finally:
             self.lane.prefill_rows = None
-        first = self.model.get_output_embeddings()(hidden[:, -1]).argmax(-1)  # [1]
+        logits = self.model.get_output_embeddings()(hidden[:, -1])  # [1, V]
+        first = logits.argmax(-1) if self.sampling is None else self.sampling.draw(self.sampling.probs(logits))
         p = self.pending
         p.cached[r], p.count[r], p.tokens[r, 0] = P, 1, first[0]
         if self.proposer is not None:
@@ -163,12 +176,13 @@ class BatchDecoder:
 
     def _round(self) -> None:
         """One round of every row; device tensors only (captured as a CUDA graph)."""
-        p, lane, m = self.pending, self.lane, self.method
+        p, lane, m, sampling = self.pending, self.lane, self.method, self.sampling
         dev, L = self.target.device, p.cached
+        q = parents = depth = ancestors = None
         if m is None:
             ids = p.newest[:, None]
         elif isinstance(m, ChainSpec):
-            drafts = self.proposer.chain(self.dcache, p, m.k)
+            drafts, q = self.proposer.chain(self.dcache, p, m.k, sampling)
             ids = torch.cat([p.newest[:, None], drafts], dim=1)
         else:
             tokens, parents, depth = self.proposer.tree(self.dcache, p, m)
@@ -189,16 +203,43 @@ class BatchDecoder:
                              past_key_values=lane, use_cache=True, **({"logits_to_keep": 1} if m is None else {}))
         finally:
             lane.write = None
-        best = out.logits.argmax(-1)  # [B, T]
+        if sampling is None:
+            acc, path, new = self._accept_greedy(ids, out.logits.argmax(-1), parents, depth, ancestors)
+        else:
+            acc, path, new = self._accept_sampled(ids, sampling.probs(out.logits), q, parents)
+        if m is not None and not isinstance(m, ChainSpec):
+            self._keep_path(L, path[:, 1:])
+        self._commit(new, acc, path)
+
+    def _accept_greedy(self, ids: torch.Tensor, best: torch.Tensor, parents: torch.Tensor | None,
+                       depth: torch.Tensor | None, ancestors: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accept what the target's argmax agrees with -> counts [B], verify indices [B, M] of the root and the
+        accepted nodes, and the new tokens [B, M] (the accepted ones, then the target's next)."""
+        m = self.method
         if m is None:
-            acc, path = torch.zeros_like(L), torch.zeros_like(ids)
+            acc, path = torch.zeros_like(ids[:, 0]), torch.zeros_like(ids)
         elif isinstance(m, ChainSpec):
-            acc = (drafts == best[:, :-1]).cumprod(1).sum(1)
-            path = torch.arange(T, device=dev).expand_as(ids)
+            acc = (ids[:, 1:] == best[:, :-1]).cumprod(1).sum(1)
+            path = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         else:
             acc, path = _walk_tree(ids, parents, depth, best, ancestors, m.depth)
-            self._keep_path(L, path[:, 1:])
-        self._commit(best.gather(1, path), acc, path)
+        return acc, path, best.gather(1, path)
+
+    def _accept_sampled(self, ids: torch.Tensor, probs: torch.Tensor, q: torch.Tensor | None,
+                        parents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rejection sampling per row (eyas.eval.sampling); returns what `_accept_greedy` does."""
+        m, gen = self.method, self.sampling.generator
+        if m is None:
+            nxt = self.sampling.draw(probs[:, -1])
+            return torch.zeros_like(nxt), torch.zeros_like(ids), nxt[:, None]
+        if isinstance(m, ChainSpec):
+            acc, nxt = accept_chain(ids[:, 1:], q, probs, gen)
+            path = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        else:
+            acc, path, nxt = accept_tree(ids, parents, probs, m.depth, gen)
+        new = torch.cat([ids.gather(1, path[:, 1:]), torch.zeros_like(nxt[:, None])], dim=1)
+        return acc, path, new.scatter(1, acc[:, None], nxt[:, None])
 
     def _commit(self, new: torch.Tensor, acc: torch.Tensor, path: torch.Tensor) -> None:
         """new [B, M]: the accepted tokens then the target's next (acc + 1 of them valid), path [B, M] their

@@ -18,9 +18,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eyas.eval.spec_decode import Generation
-
 BASELINE = "target"  # the method name of the target decoding alone
+
+
+@dataclass
+class Generation:
+    """One generated answer and how it was produced."""
+
+    tokens: list[int]
+    seconds: float
+    target_forwards: int  # including the prefill
+    draft_forwards: int = 0
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verify step (bonus excluded)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
 
 
 @dataclass

@@ -5,19 +5,17 @@
 
 Turn by turn, the target alone decodes every prompt first; its answer is the reference for the greedy
 identity check and the answer that the next turn of the conversation is asked after. Then each method
-decodes the same prompts. Greedy decoding goes through eyas.eval.batch_decode (static caches, CUDA
-graphs on a GPU), at each of `batch_sizes` in turn: the target alone and every method at that batch
+decodes the same prompts. Everything goes through eyas.eval.batch_decode (static caches, CUDA graphs on a
+GPU; greedy or sampled), at each of `batch_sizes` in turn: the target alone and every method at that batch
 size, in timing rounds that take turns (eyas.eval.timing), so the speedups at each size are measured side
 by side (`EvalResult.serving`); with `verify_budget` the methods follow the batch size (eyas.eval.budget).
-The metrics per method and the records come from the first batch size. Sampling decodes one prompt at a
-time (eyas.eval.spec_decode).
+The metrics per method and the records come from the first batch size.
 """
 
 from __future__ import annotations
 
 import platform
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +23,11 @@ from typing import Any
 import torch
 
 from eyas.eval.batch_decode import BatchDecoder
-from eyas.eval.batch_propose import BATCH_PROPOSERS, make_batch_proposer
 from eyas.eval.budget import proposes, sweep_plan, union
-from eyas.eval.metrics import BASELINE, MethodStats, record_of
+from eyas.eval.metrics import BASELINE, Generation, MethodStats, record_of
 from eyas.eval.prompts import PromptItem, PromptSet, render_prompt
-from eyas.eval.proposer_base import ChainSpec, Method, TreeSpec
-from eyas.eval.spec_decode import Generation, SpeculativeDecoder, target_generate
+from eyas.eval.proposer_base import ChainSpec, Method, Proposer, TreeSpec
+from eyas.eval.proposers import make_proposer
 from eyas.eval.target import HFTarget, stop_token_ids
 from eyas.eval.timing import Timings, rotated, split_rounds, withhold_impossible
 from eyas.model.config import target_fingerprint_differs
@@ -159,7 +156,7 @@ def evaluate_draft(
     done / on_record: resume support; `done` maps (set, item, turn, method) to stored records.
     stop_ids: end-of-sequence ids; None takes them from the tokenizer and the model's configs, an empty
     set always generates max_new_tokens (like vLLM's ignore_eos).
-    batch_sizes: prompts decoded together (greedy only above 1); the first gives the metrics and records.
+    batch_sizes: prompts decoded together; the first gives the metrics and records.
     verify_budget: sweep chains and trees per batch size within this many verify tokens per round
     (eyas.eval.budget), the methods asked for included; None measures those alone.
     clock: what times the decoding (seconds); the tests pass a noisy one.
@@ -173,29 +170,26 @@ def evaluate_draft(
     batch_sizes = list(batch_sizes) or [1]
     if min(batch_sizes) < 1:
         raise EyasError(f"batch sizes {batch_sizes} must be >= 1")
-    if temperature > 0 and batch_sizes != [1]:
-        raise EyasError(f"--batch-size {','.join(map(str, batch_sizes))}: batches decode greedily; sampling "
-                        "(--temperature > 0) decodes one prompt at a time: use --batch-size 1")
     target = HFTarget(target_model, list(draft.config.aux_layer_ids))
     stops = stop_token_ids(target_model, tokenizer) if stop_ids is None else set(stop_ids)
-    decoder = SpeculativeDecoder(target, draft, stops)
+    proposer = make_proposer(draft)
     for m in methods:
-        decoder.proposer.check(m)  # e.g. trees are EAGLE-3's
+        proposer.check(m)  # e.g. trees are EAGLE-3's
     plan = {b: methods for b in batch_sizes}
     if verify_budget is not None:
-        plan = sweep_plan(batch_sizes, methods, verify_budget, lambda m: proposes(decoder.proposer, m))
+        plan = sweep_plan(batch_sizes, methods, verify_budget, lambda m: proposes(proposer, m))
         methods = union(plan)
-    result = EvalResult(meta=_meta(target_model, draft, target, decoder, methods, temperature, top_p, max_new_tokens,
+    result = EvalResult(meta=_meta(target_model, draft, target, proposer, methods, temperature, top_p, max_new_tokens,
                                    seed),
                         methods=[m.name for m in methods])
     result.meta["batch_sizes"] = batch_sizes
     result.meta["verify_budget"] = verify_budget
     limit = _max_positions(target_model) - max_new_tokens - max([m.max_accept if isinstance(m, ChainSpec) else m.total
                                                                  for m in methods] + [0]) - 2
-    run = _Evaluation(target, decoder, tokenizer, methods, result, temperature, top_p, stops, max_new_tokens,
+    run = _Evaluation(target, proposer, tokenizer, methods, result, temperature, top_p, stops, max_new_tokens,
                       baseline, seed, limit, done or {}, on_record, batch_sizes, plan, clock)
     try:
-        run.static = temperature <= 0 and _static_caches_work(target_model, draft, sets, tokenizer, batch_sizes)
+        _check_static_caches(target_model, sets, tokenizer)
         if (baseline or target.device.type == "cuda") if warmup is None else warmup:
             run.warm_up(sets)
         total = sum(s.num_turns for s in sets) * (len(plan[batch_sizes[0]]) + int(baseline))
@@ -210,18 +204,10 @@ def evaluate_draft(
     return result
 
 
-def _static_caches_work(target_model: torch.nn.Module, draft: DraftModel, sets: list[PromptSet], tokenizer: Any,
-                        batch_sizes: list[int]) -> bool:
-    """Whether the draft's family drafts in batches and the target decodes right over static caches
-    (GraphDecoder.check_model); batches need both."""
+def _check_static_caches(target_model: torch.nn.Module, sets: list[PromptSet], tokenizer: Any) -> None:
+    """Refuse, before anything is timed, a target that does not decode right over static caches
+    (GraphDecoder.check_model: a plain forward against the static cache's)."""
     from eyas.generate.graph_decode import GraphDecoder
-
-    family = draft.config.family
-    if family not in BATCH_PROPOSERS:
-        if batch_sizes != [1]:
-            raise EyasError(f"--batch-size {','.join(map(str, batch_sizes))}: a {family} draft decodes one prompt at "
-                            f"a time (batched drafting covers {', '.join(BATCH_PROPOSERS)}): use --batch-size 1")
-        return False
 
     first = next((it for s in sets for it in s.items), None)
     ids = (first.token_ids or render_prompt(tokenizer, [{"role": "user", "content": first.turns[0]}])
@@ -230,14 +216,10 @@ def _static_caches_work(target_model: torch.nn.Module, draft: DraftModel, sets: 
     try:
         GraphDecoder(target_model, len(ids) + 8, 1, [], 0, lanes=[(len(ids) + 8, 2)]).check_model(ids)
     except EyasError as e:
-        if batch_sizes != [1]:
-            raise EyasError(f"--batch-size above 1 needs static KV caches, which this target refuses: {e}") from e
-        warnings.warn(f"decoding eagerly, one prompt at a time: {e}", stacklevel=3)
-        return False
-    return True
+        raise EyasError(f"eval decodes over static KV caches, which this target refuses: {e}") from e
 
 
-def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, decoder: SpeculativeDecoder,
+def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, proposer: Proposer,
           methods: list[Method], temperature: float, top_p: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
     """The settings and machine a report's numbers were measured with."""
     dev = target.device
@@ -246,7 +228,7 @@ def _meta(target_model: torch.nn.Module, draft: DraftModel, target: HFTarget, de
             "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
             "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
             "dtype": str(target.dtype).replace("torch.", ""),
-            "draft_dtype": str(decoder.draft_dtype).replace("torch.", ""),
+            "draft_dtype": str(proposer.dtype).replace("torch.", ""),
             "torch": torch.__version__, "host": platform.node(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "chain": [m.k for m in methods if isinstance(m, ChainSpec)],
             "tree": [m.name for m in methods if isinstance(m, TreeSpec)], "backend": "hf"}
@@ -258,7 +240,7 @@ class _Evaluation:
     resume from, and the result and progress bar being filled."""
 
     target: HFTarget
-    decoder: SpeculativeDecoder
+    proposer: Proposer
     tokenizer: Any
     methods: list[Method]
     result: EvalResult
@@ -274,7 +256,6 @@ class _Evaluation:
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     plan: dict[int, list[Method]] = field(default_factory=dict)  # the methods measured at each batch size
     clock: Callable[[], float] = time.perf_counter
-    static: bool = False  # greedy over static caches (eyas.eval.batch_decode), else one prompt at a time
     bar: Any = None
     task: Any = None
     skipped: int = 0  # turns (and the later turns of their prompt) too long for the target
@@ -287,24 +268,13 @@ class _Evaluation:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
-    def generate(self, method: Method | None, ids: list[int], gen_seed: int, n_new: int) -> Generation:
-        """One generation with a method, or with the target alone (method None), one prompt at a time."""
-        g = torch.Generator(device=self.target.device).manual_seed(gen_seed) if not self.greedy else None
-        if method is None:
-            return target_generate(self.target, ids, n_new, self.temperature, self.top_p, self.stops, g)
-        return self.decoder.generate(ids, method, n_new, self.temperature, self.top_p, g)
-
     def warm_up(self, sets: list[PromptSet]) -> None:
-        """A generation of every method (at every batch size, over static caches) on the first prompt: kernels,
-        allocator, caches and autotuning settle before anything is timed."""
+        """A generation of every method at every batch size on the first prompt: kernels, allocator, caches and
+        autotuning settle before anything is timed."""
         items = [it for s in sets for it in s.items]
         if not items:
             return
         ids = self.first_turn(items[0])[:self.limit]
-        if not self.static:
-            for m in [None, *self.methods]:
-                self.generate(m, ids, self.seed, min(16, self.max_new_tokens))
-            return
         fits = [n for n in (len(self.first_turn(it)) for it in items) if n <= self.limit]
         longest = max(fits or [len(ids)])  # the first turns' decoders: built once, not again for a longer prompt
         for batch in self.batch_sizes:  # every decoder that will be timed, built and run once
@@ -402,15 +372,13 @@ class _Evaluation:
         answers[i] = answers[i] or rec.get("answer")
 
     def decode(self, m: Method | None, batch: int, prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
-        """Every prompt with method m (None: the target alone), timed with `clock`: batched over static caches (a
-        batch's wall time shared among its answers by their new tokens), or one at a time, each on its own."""
+        """Every prompt with method m (None: the target alone), batched over static caches and timed with `clock`
+        (a batch's wall time shared among its answers by their new tokens); sampling draws from the decoder's
+        generator seeded with the first seed."""
         if not prompts:
             return []
-        if not self.static:
-            return [self.timed(lambda ids=ids, s=s: [self.generate(m, ids, s, self.max_new_tokens)])[0]
-                    for ids, s in zip(prompts, seeds, strict=True)]
         dec = self.batch_decoder(m, batch, max(len(p) for p in prompts))
-        return self.timed(lambda: dec.run(prompts))
+        return self.timed(lambda: dec.run(prompts, seeds[0]))
 
     def timed(self, run: Callable[[], list[Generation]]) -> list[Generation]:
         """The generations `run` returns, their `seconds` the wall time it took (read from `clock`, the device
@@ -436,9 +404,9 @@ class _Evaluation:
         dec = self.batch_decoders.get(key)
         if dec is None or dec.length < need:
             self.batch_decoders.pop(key, None)
-            proposer = make_batch_proposer(self.decoder.draft) if m is not None else None
-            dec = BatchDecoder(self.target, proposer, m, batch, -(-need // 256) * 256, self.max_new_tokens,
-                               sorted(self.stops))
+            dec = BatchDecoder(self.target, self.proposer if m is not None else None, m, batch, -(-need // 256) * 256,
+                               self.max_new_tokens, sorted(self.stops), temperature=self.temperature,
+                               top_p=self.top_p, seed=self.seed)
             dec.prepare()
             self.batch_decoders[key] = dec
         return dec

@@ -1,5 +1,5 @@
-"""The target model for decoding: a transformers causal LM with a KV cache we can crop and prune,
-and the aux-layer hidden states the draft needs, captured during the same forward pass.
+"""The target model for decoding: a transformers causal LM and the aux-layer hidden states the draft needs,
+captured during the same forward pass (the batched decoder's verify, or a plain `forward`).
 
 Aux id k is the input of decoder layer k (transformers' `hidden_states[k]`,
 docs/architecture.md): a forward pre-hook on layer k records it, so no extra pass and no
@@ -21,10 +21,9 @@ from eyas.utils.io import EyasError
 
 
 class HFTarget:
-    """Wraps a transformers causal LM for speculative decoding (batch 1).
-
-    `forward` runs new tokens against a cache and returns logits and the aux states of those tokens;
-    `keep`/`crop` drop rejected draft tokens from the cache. Call `close()` to remove the hooks.
+    """Wraps a transformers causal LM for speculative decoding: hooks that capture the aux layers' inputs
+    (`capture`, `_captured`), and `forward`, one sequence against a cache -> logits and aux states. Call
+    `close()` to remove the hooks.
     """
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int]) -> None:
@@ -64,7 +63,7 @@ class HFTarget:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, position_ids [1, T] -> logits [T or 1, V], aux [T, k*H] (None when capture is off).
 
-        attention_mask: None for causal, or an additive 4-D mask [1, 1, T, cached + T] (tree verify).
+        attention_mask: None for causal, or a 4-D mask [1, 1, T, cached + T].
         """
         self._captured.clear()
         kwargs: dict[str, Any] = {}
@@ -78,44 +77,6 @@ class HFTarget:
         aux = torch.cat([self._captured[i][0] for i in self.aux_layer_ids], dim=-1)  # [T, k*H]
         self._captured.clear()
         return logits, aux
-
-    def tree_mask(self, cached: int, ancestors: torch.Tensor) -> torch.Tensor:
-        """ancestors [T, T] bool (row i may see tree node j) -> additive mask [1, 1, T, cached + T].
-
-        Additive float in the model's dtype: it means the same to SDPA and eager attention (a bool
-        mask would be *added* by the eager path), and transformers passes a 4-D mask through as is.
-        """
-        T = ancestors.shape[0]
-        mask = torch.zeros(1, 1, T, cached + T, dtype=self.dtype, device=self.device)
-        mask[0, 0, :, cached:].masked_fill_(~ancestors, torch.finfo(self.dtype).min)
-        return mask
-
-
-def _layer_tensors(cache: DynamicCache):
-    for layer in cache.layers:
-        if not hasattr(layer, "keys") or getattr(layer, "is_sliding", False):
-            raise EyasError(f"eval cannot prune a {type(layer).__name__} cache layer: use a target with full "
-                            "attention KV caches (no sliding-window or linear-attention layers)")
-        yield layer
-
-
-def cache_crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` cached positions (rejected chain tokens dropped)."""
-    for layer in _layer_tensors(cache):
-        if layer.keys is not None and layer.keys.numel():
-            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
-
-
-def cache_keep(cache: DynamicCache, prefix: int, tail: torch.Tensor) -> None:
-    """Keep the first `prefix` cached positions and then positions `tail` (1-D, ascending, all >= prefix):
-    the accepted path of a tree. Only the tail moves; the prefix is not copied."""
-    n = tail.numel()
-    for layer in _layer_tensors(cache):
-        if layer.keys is not None and layer.keys.numel():
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                t[..., prefix:prefix + n, :] = t.index_select(-2, tail)  # gathered first: sources never overwritten
-                setattr(layer, name, t[..., :prefix + n, :])
 
 
 def stop_token_ids(model: nn.Module, tokenizer: Any | None) -> set[int]:

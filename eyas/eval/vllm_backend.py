@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from eyas.engines.vllm.runtime import import_vllm, llm_kwargs, run_llm
-from eyas.eval.metrics import BASELINE, MethodStats
+from eyas.eval.metrics import BASELINE, Generation, MethodStats
 from eyas.eval.prompts import PromptSet, render_prompt
 from eyas.eval.proposer_base import ChainSpec
 from eyas.eval.runner import EvalResult
 from eyas.eval.serving import ServingRun, runs_of, serving_rows
-from eyas.eval.spec_decode import Generation
 from eyas.utils.io import EyasError
 
 

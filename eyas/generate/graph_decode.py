@@ -85,7 +85,7 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     scores = torch.matmul(query.reshape(B, g, r * q, hd), key.transpose(-1, -2)).float() * scale  # [B, g, r*q, S]
     scores = scores.view(B, g, r, q, S).masked_fill(~attention_mask[:, :, None], float("-inf"))
     probs = scores.softmax(-1).to(value.dtype).view(B, g, r * q, S)
-    out = torch.matmul(probs, value).view(B, nh, q, hd)
+    out = torch.matmul(probs, value).view(B, nh, q, value.shape[-1])  # MLA: values narrower than queries
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -152,9 +152,9 @@ class Lane:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer_idx] is None:
-            shape = (self.rows, key.shape[1], self.length)
-            self.k[layer_idx] = key.new_zeros(*shape, key.shape[3])
-            self.v[layer_idx] = value.new_zeros(*shape, value.shape[3])
+            # allocated at the first write, in the shapes the layer caches (MLA: a latent, not per-head keys)
+            self.k[layer_idx] = key.new_zeros(self.rows, key.shape[1], self.length, key.shape[3])
+            self.v[layer_idx] = value.new_zeros(self.rows, value.shape[1], self.length, value.shape[3])
         k, v = self.k[layer_idx], self.v[layer_idx]
         if self.prefill_rows is not None:
             P = key.shape[2]
@@ -163,9 +163,9 @@ class Lane:
             return key, value
         k, v = k[:self.n], v[:self.n]
         slots = self.pos[:self.n] if self.write is None else self.write
-        at = slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        k.scatter_(2, at, key)
-        v.scatter_(2, at, value)
+        # keys and values may differ in heads and width (MLA caches a latent and a rotary key in their place)
+        k.scatter_(2, slots[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3]), key)
+        v.scatter_(2, slots[:, None, :, None].expand(-1, value.shape[1], -1, value.shape[3]), value)
         return k[:, :, :self.width], v[:, :, :self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -420,10 +420,12 @@ class StepGraphs:
     """Steps captured once per shape as CUDA graphs and replayed: a step reads and writes device tensors
     at fixed addresses only. A new shape gets two eager warm-up runs on a side stream, then one capture;
     all graphs share one memory pool (they never run at the same time). `enabled` False, or a capture
-    that fails (an op that cannot be captured), runs every step eagerly."""
+    that fails (an op that cannot be captured), runs every step eagerly. `generators`: device generators
+    the steps draw from, registered with every graph so each replay draws fresh numbers."""
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.device, self.enabled = device, enabled
+    def __init__(self, device: torch.device, enabled: bool, generators: list[torch.Generator] | None = None
+                 ) -> None:
+        self.device, self.enabled, self.generators = device, enabled, list(generators or [])
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.warm: dict[Hashable, int] = {}
         self.pool: Any = None
@@ -442,6 +444,8 @@ class StepGraphs:
             return lambda: run_on_stream(self.side, step)
         try:
             graph = torch.cuda.CUDAGraph()
+            for generator in self.generators:
+                graph.register_generator_state(generator)
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
                 step()

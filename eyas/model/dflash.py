@@ -19,7 +19,7 @@ The embedding and lm_head are the target's (lm_head over the draft vocabulary), 
 hidden_norm, the layers and norm train. This is vLLM's `DFlashDraftModel` (qwen3_dflash.py) and
 SGLang's; eyas.export.dflash writes it for them. Attention is an `attend(q, k, v)` callable, as in
 eyas.model.draft: the training objective's block mask (eyas.train.dflash), or a KV cache of the
-context when decoding (eyas.eval.block_proposer).
+context when decoding (eyas.eval.proposers).
 """
 
 from __future__ import annotations

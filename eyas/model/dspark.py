@@ -15,7 +15,7 @@ anchor's own slot makes the first proposal and one forward proposes B tokens (vL
 The Markov head is low rank (V x r and r x V_d); only it, the confidence head and the backbone's own
 layers train (the embedding and lm_head are the target's, frozen). This is vLLM's `Qwen3DSparkModel`
 (qwen3_dspark.py), whose tensor names these modules keep; eyas.export.dspark writes it, the objective is
-eyas.train.dspark, the proposer eyas.eval.dspark_proposer.
+eyas.train.dspark, the proposer eyas.eval.proposers.
 """
 
 from __future__ import annotations

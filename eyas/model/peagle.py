@@ -18,7 +18,7 @@ Nothing is fed back: no second forward. vLLM serves exactly this as an EAGLE-3 d
 `parallel_drafting` (llama_eagle3.py + the generic proposer's mask slots), reading `mask_hidden` from
 the checkpoint and the mask embedding from the checkpoint's own embed_tokens (eyas.export.peagle
 writes `mask_embed` into the row `mask_token_id`; vLLM keeps a draft embedding that differs from the
-target's). The training objective is eyas.train.peagle, the proposer eyas.eval.parallel_proposer.
+target's). The training objective is eyas.train.peagle, the proposer eyas.eval.proposers.
 
 Why a learned row and not the whole embedding: the paper unfreezes the target embedding so the mask
 token's row can learn; only that row is ever read at a mask slot, so one [H] parameter learns the same

@@ -64,7 +64,7 @@ class EvalOptions:
                                     "every method and the target alone on the same prompts, and several give the "
                                     "serving curve (tokens/s and speedup against batch size). engine vllm: "
                                     "requests in flight in vLLM's scheduler; engine hf: prompts decoded together "
-                                    "over static KV caches (greedy only above 1).")
+                                    "over static KV caches (greedy or sampled).")
     sweep: bool = option(True, help="With several --batch-size (engine hf): at each batch size, also measure the "
                          "chains of 1, 2, 3, 5 and 7 and the trees whose verify tokens fit --verify-budget, and report "
                          "the fastest way to decode at each (the target alone included).")
@@ -104,9 +104,6 @@ class EvalOptions:
         if not parse_chain(self.chain) and not parse_trees(self.tree):
             raise EyasError("nothing to measure: give --chain and/or --tree")
         self.batch_sizes = parse_batch_sizes(self.batch_sizes)
-        if self.engine == "hf" and self.temperature > 0 and self.batch_sizes != [1]:
-            raise EyasError(f"--batch-size {','.join(map(str, self.batch_sizes))}: the hf engine decodes batches "
-                            "greedily and samples one prompt at a time: use --temperature 0 or --batch-size 1")
         family(self.family)  # an unknown family is refused here
         if self.verify_budget < 2:
             raise EyasError(f"--verify-budget {self.verify_budget}: a round verifies at least 2 tokens a row (a chain "

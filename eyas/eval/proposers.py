@@ -1,92 +1,32 @@
-"""Every family's drafting for the batched decoder (eyas.eval.batch_decode): B rows at once, over a static
-draft cache (eyas.model.attention.StaticKVCache), in fixed shapes, so a whole round can be one CUDA graph.
-
-The alignment is eyas.eval.spec_decode's: draft entry t holds token t+1 and the target's state at t, at
-rotary position t. Each row carries `pend_n` pending entries (the tokens the last verify accepted and the
-target's next token, with the target's states before them; at most `M`, the tail is padding), and `L`
-tokens in the target's cache, so its draft cache holds L - pend_n entries. Padding entries write their
-keys to the cache's last slot, which no query attends to; a query at rotary position p attends to the
-slots <= p that hold its row's entries, so keys a row drafted and dropped are overwritten before they
-are read again.
+"""Each family's drafting (one proposer a family, declared in eyas.model.family_facts): B rows at once, over a
+static draft cache (eyas.model.attention.StaticKVCache), in fixed shapes, greedy or sampled, so a whole round
+of the batched decoder (eyas.eval.batch_decode) can be one CUDA graph. The alignment and the pending entries
+are eyas.eval.proposer_base's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from eyas.eval.proposer_base import ChainSpec, Method, Pending, Proposal, Proposer, TreeSpec, causal_by_position
+from eyas.eval.sampling import Sampling
 from eyas.model.attention import StaticKVCache
 from eyas.model.dflash import DFlashDraft
 from eyas.model.draft import DraftModel
+from eyas.model.dspark import DSparkDraft
 from eyas.model.eagle3 import Eagle3Draft
+from eyas.model.family_facts import family_part
 
 
-@dataclass
-class Pending:
-    """What every row brings to a round (device tensors, B rows)."""
-
-    tokens: torch.Tensor  # [B, M] target ids, the newest at pend_n - 1
-    aux: torch.Tensor  # [B, M, k*H] the target's aux states before them
-    count: torch.Tensor  # [B] pend_n
-    cached: torch.Tensor  # [B] L, tokens in the target's cache
-
-    @property
-    def newest(self) -> torch.Tensor:
-        """[B] the token the target chose last (not yet in its cache)."""
-        return self.tokens.gather(1, (self.count - 1)[:, None])[:, 0]
-
-    def positions(self, cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pending entries' rotary positions [B, M] and the slots their keys go to (padding: the last)."""
-        j = torch.arange(self.tokens.shape[1], device=self.tokens.device)
-        pos = (self.cached - self.count)[:, None] + j
-        return pos, torch.where(j < self.count[:, None], pos, cache.length - 1)
-
-
-def causal_by_position(cache: StaticKVCache, positions: torch.Tensor) -> torch.Tensor:
-    """positions [B, T] -> mask [B, 1, T, length]: each query sees the slots up to its own position (and, for a
-    sliding-window draft, only the last `window` of them)."""
-    slots = torch.arange(cache.length, device=positions.device)
-    seen = slots <= positions[..., None]
-    if cache.window:
-        seen &= slots > positions[..., None] - cache.window
-    return seen[:, None]
-
-
-class BatchProposer:
-    """A family's drafting for B rows; `chain` returns target ids [B, K]."""
-
-    def __init__(self, draft: DraftModel) -> None:
-        self.draft = draft
-        self.dtype = draft.fc.weight.dtype
-        self.d2t_ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device)
-        self.window = int(getattr(draft.config, "sliding_window", 0) or 0)
-
-    def forwards(self, method) -> int:
-        return 1
-
-    def prefill(self, cache: StaticKVCache, row: int, tokens: torch.Tensor, aux: torch.Tensor) -> None:
-        """Write the entries of a new prompt (tokens [n], aux [n, k*H]) at slots 0..n-1 of `row`."""
-        if tokens.numel() == 0:
-            return
-        pos = torch.arange(tokens.numel(), device=tokens.device)[None]
-        cache.row, cache.slots, cache.mask = row, pos, causal_by_position(cache, pos)
-        try:
-            self._write(cache, tokens, aux, pos)
-        finally:
-            cache.row = None
-
-    def _write(self, cache: StaticKVCache, tokens: torch.Tensor, aux: torch.Tensor, pos: torch.Tensor) -> None:
-        self.draft(tokens[None], self.draft.fuse(aux[None]), pos, cache)
-
-
-class Eagle3Batch(BatchProposer):
+class Eagle3Proposer(Proposer):
     """EAGLE-3: the pending entries in one forward, then K-1 chained steps or an EAGLE-2 tree."""
 
     draft: Eagle3Draft
+    trees = True
+    proposals_per_block = None
 
-    def forwards(self, method) -> int:
-        return getattr(method, "k", None) or method.depth
+    def forwards(self, method: Method) -> int:
+        return method.k if isinstance(method, ChainSpec) else method.depth
 
     def _extend(self, cache: StaticKVCache, p: Pending) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending entries into the cache -> the newest one's output [B, 1, H] and logits [B, V_d]."""
@@ -96,23 +36,27 @@ class Eagle3Batch(BatchProposer):
         root = out.gather(1, (p.count - 1)[:, None, None].expand(-1, 1, out.shape[-1]))
         return root, self.draft.logits(root)[:, 0].float()
 
-    def chain(self, cache: StaticKVCache, p: Pending, k: int) -> torch.Tensor:
+    def chain(self, cache: StaticKVCache, p: Pending, k: int, sampling: Sampling | None = None) -> Proposal:
+        """K chained forwards from the newest entry; each step reads the token drafted before it."""
         hidden, logits = self._extend(cache, p)
-        tokens = []
+        tokens, qs = [], []
         for j in range(k):
-            t = self.d2t_ids[logits.argmax(-1)]  # [B]
+            t, q = self.pick(logits[:, None], sampling)  # [B, 1]
             tokens.append(t)
+            qs.append(q)
             if j < k - 1:
                 pos = (p.cached + j)[:, None]
                 cache.slots, cache.mask = pos, causal_by_position(cache, pos)
-                hidden = self.draft(t[:, None], hidden, pos, cache)
+                hidden = self.draft(t, hidden, pos, cache)
                 logits = self.draft.logits(hidden)[:, 0].float()
-        return torch.stack(tokens, dim=1)
+        return torch.cat(tokens, dim=1), None if sampling is None else self.over_target_vocab(torch.cat(qs, dim=1))
 
-    def tree(self, cache: StaticKVCache, p: Pending, spec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """EAGLE-2's dynamic tree for every row (eyas.eval.spec_decode.Eagle3Proposer._draft_tree, batched):
-        step d's k frontier entries go to slots L + (d-1)k .. and see the row's prefix and their own
-        ancestors. Returns target ids [B, N], parent index [B, N] in 0..N (0 = the root) and depth [B, N]."""
+    def tree(self, cache: StaticKVCache, p: Pending, spec: TreeSpec
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's dynamic tree for every row, the same whether the target samples or not (its nodes are
+        point-mass proposals): step d's k frontier entries go to slots L + (d-1)k .. and see the row's prefix
+        and their own ancestors. The best `total` nodes by cumulative draft log-prob are kept. Returns target
+        ids [B, N], parent index [B, N] in 0..N (0 = the root, node i is index i+1) and depth [B, N]."""
         root, logits = self._extend(cache, p)
         dev, L = root.device, p.cached
         B, H = root.shape[0], root.shape[-1]
@@ -152,8 +96,8 @@ class Eagle3Batch(BatchProposer):
             size += k * k
         scores = torch.cat(pool_score, dim=1)
         n = min(spec.total, scores.shape[1])
-        # as in the one-row tree: a stable sort keeps the selection closed under ancestors, and re-sorting
-        # by pool index puts parents before children
+        # a child never scores above its parent and comes later in the pool, so a stable sort keeps the
+        # selection closed under ancestors; re-sorting by pool index puts parents before children
         chosen = torch.sort(torch.sort(-scores, dim=1, stable=True).indices[:, :n], dim=1).values
         parents = torch.cat(pool_parent, dim=1).gather(1, chosen)
         found = torch.searchsorted(chosen, parents.clamp_min(0).contiguous())
@@ -162,10 +106,16 @@ class Eagle3Batch(BatchProposer):
         return tokens, parent_pos, torch.cat(pool_depth, dim=1).gather(1, chosen)
 
 
-class DFlashBatch(BatchProposer):
-    """DFlash: the pending context and the block [anchor, MASK x K] in one forward (eyas.eval.block_proposer)."""
+class DFlashProposer(Proposer):
+    """DFlash: the draft's cache holds the context only (every layer's keys and values of the target's fused aux
+    states, one entry per position in the target's cache). Each round the pending entries join it in the same
+    forward as the block [anchor, MASK x K] at rotary positions L .. L+K (L = tokens in the target's cache; the
+    anchor is the newest token, not yet in it), which attends to the whole context and to itself, as in
+    training (eyas.train.dflash) and in vLLM. Slots 1..K are the K proposals, verified as a chain; the block's
+    keys land past the context and are overwritten later."""
 
     draft: DFlashDraft
+    proposals_per_block = -1  # a block of B proposes B - 1 tokens (the anchor's slot proposes none)
 
     def _write(self, cache: StaticKVCache, tokens: torch.Tensor, aux: torch.Tensor, pos: torch.Tensor) -> None:
         # the context's keys only: a one-slot block rides along, its key parked in the unattended slot
@@ -175,21 +125,51 @@ class DFlashBatch(BatchProposer):
         cache.mask = causal_by_position(cache, torch.full((1, 1), n - 1, device=pos.device))
         self.draft(block, torch.full((1, 1), n, device=pos.device), self.draft.context(aux[None]), pos, cache)
 
-    def chain(self, cache: StaticKVCache, p: Pending, k: int) -> torch.Tensor:
+    def block_outputs(self, cache: StaticKVCache, p: Pending, size: int) -> torch.Tensor:
+        """The pending entries join the context; the block [anchor, MASK x (size-1)] at positions
+        L .. L+size-1 attends to the context and the whole block -> its outputs [B, size, H]."""
         draft = self.draft
         ctx_pos, ctx_slots = p.positions(cache)
-        block_pos = p.cached[:, None] + torch.arange(k + 1, device=ctx_pos.device)
+        block_pos = p.cached[:, None] + torch.arange(size, device=ctx_pos.device)
         cache.slots = torch.cat([ctx_slots, block_pos], dim=1)
         cache.mask = causal_by_position(cache, block_pos[:, -1:])  # the context and the whole block
-        block = draft.block_embeds(draft.embed_tokens(p.newest), k + 1)  # [B, K+1, H]
-        out = draft(block, block_pos, draft.context(p.aux), ctx_pos, cache)
-        return self.d2t_ids[draft.logits(out[:, 1:]).float().argmax(-1)]
+        block = draft.block_embeds(draft.embed_tokens(p.newest), size)  # [B, size, H]
+        return draft(block, block_pos, draft.context(p.aux), ctx_pos, cache)
+
+    def chain(self, cache: StaticKVCache, p: Pending, k: int, sampling: Sampling | None = None) -> Proposal:
+        out = self.block_outputs(cache, p, k + 1)
+        tokens, q = self.pick(self.draft.logits(out[:, 1:]), sampling)
+        return tokens, self.over_target_vocab(q)
 
 
-class PEagleBatch(BatchProposer):
-    """P-EAGLE: the pending entries and K-1 mask slots in one causal forward (eyas.eval.parallel_proposer)."""
+class DSparkProposer(DFlashProposer):
+    """DSpark: DFlash's block forward with a block of K (the anchor's slot proposes too), then the Markov head
+    left to right (eyas.model.dspark): slot j's output, after the Markov bias of the token before it (the
+    anchor, then proposal j-1), is proposal j, as vLLM's DSpark speculator with `sample_from_anchor`."""
 
-    def chain(self, cache: StaticKVCache, p: Pending, k: int) -> torch.Tensor:
+    draft: DSparkDraft
+    proposals_per_block = 0  # every slot proposes, the anchor's too
+
+    def chain(self, cache: StaticKVCache, p: Pending, k: int, sampling: Sampling | None = None) -> Proposal:
+        out = self.block_outputs(cache, p, k)  # [B, K, H]: a block of K, K proposals
+        prev, tokens, qs = p.newest, [], []
+        for j in range(k):
+            t, q = self.pick(self.draft.logits_after(out[:, j], prev)[:, None], sampling)  # [B, 1]
+            prev = t[:, 0]
+            tokens.append(t)
+            qs.append(q)
+        return torch.cat(tokens, dim=1), None if sampling is None else self.over_target_vocab(torch.cat(qs, dim=1))
+
+
+class PEagleProposer(Proposer):
+    """P-EAGLE: EAGLE-3's draft cache; each round the pending entries (the newest last) join it in the same
+    causal forward as K-1 mask slots (the learned mask embedding and fc(mask_hidden)) at positions
+    L .. L+K-2. The outputs at the newest entry and at the K-1 slots are the K proposals, verified as a chain:
+    vLLM's parallel drafting (eyas.model.peagle)."""
+
+    proposals_per_block = None
+
+    def chain(self, cache: StaticKVCache, p: Pending, k: int, sampling: Sampling | None = None) -> Proposal:
         draft, dtype = self.draft, self.dtype
         B, M = p.tokens.shape
         dev = p.tokens.device
@@ -203,12 +183,10 @@ class PEagleBatch(BatchProposer):
         out = draft(None, hidden, pos, cache, emb)
         take = torch.cat([(p.count - 1)[:, None], M + torch.arange(k - 1, device=dev).expand(B, k - 1)], dim=1)
         out = out.gather(1, take[..., None].expand(B, k, out.shape[-1]))
-        return self.d2t_ids[draft.logits(out).float().argmax(-1)]
+        tokens, q = self.pick(draft.logits(out), sampling)
+        return tokens, self.over_target_vocab(q)
 
 
-BATCH_PROPOSERS = {"eagle3": Eagle3Batch, "dflash": DFlashBatch, "peagle": PEagleBatch}
-
-
-def make_batch_proposer(draft: DraftModel) -> BatchProposer:
-    """The batched drafting of the draft's family (families without one decode one prompt at a time)."""
-    return BATCH_PROPOSERS[draft.config.family](draft)
+def make_proposer(draft: DraftModel) -> Proposer:
+    """The proposer the draft's family declares (eyas.model.family_facts)."""
+    return family_part(draft.config.family, "proposer")(draft)
