@@ -36,6 +36,21 @@ def save_tiny_chat_target(folder, tokenizer) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def save_tiny_target_and_draft(root, tokenizer) -> None:
+    """root/target, a tiny random Llama (hidden 64, 4 layers) over a real tokenizer and chat template, and
+    root/draft, an untrained EAGLE-3 draft for it: the folders `eyas eval` reads, made in a second."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    draft = make_draft(model, [1, 2, 3], 4096)
+    draft.config.target = str(root / "target")
+    draft.save_pretrained(root / "draft")
+
+
 @torch.inference_mode()
 def target_generate(target: HFTarget, prompt: list[int], max_new_tokens: int,
                     stop_ids: set[int] | frozenset = frozenset()) -> Generation:

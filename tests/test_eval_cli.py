@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from _eval_utils import check_speed_words, make_draft
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from _eval_utils import check_speed_words, save_tiny_target_and_draft
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from eyas.eval import (
     BASELINE,
@@ -76,17 +76,7 @@ def test_prepared_dataset_slice_cuts_before_first_answer(tmp_path):
 def tiny_folder(smollm2_dir, tmp_path_factory):
     """A tiny random Llama with SmolLM2's real tokenizer and chat template, saved like any HF model."""
     root = tmp_path_factory.mktemp("tinyllm")
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    draft = make_draft(model, [1, 2, 3], 4096)
-    draft.config.target = str(root / "target")
-    draft.save_pretrained(root / "draft")
+    save_tiny_target_and_draft(root, AutoTokenizer.from_pretrained(smollm2_dir))
     return root
 
 

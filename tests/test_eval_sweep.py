@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from _eval_utils import capture, make_draft, target_and_continuations, train_draft
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from _eval_utils import capture, make_draft, save_tiny_target_and_draft, target_and_continuations, train_draft
+from transformers import AutoTokenizer
 
 from eyas.eval import BASELINE, ChainSpec, TreeSpec, evaluate_draft
 from eyas.eval.budget import sweep_plan, verify_tokens
@@ -138,17 +138,7 @@ def test_a_noisy_clock_puts_no_impossible_speedup_in_the_report_or_the_closing_w
 def chat_folder(smollm2_dir, tmp_path_factory, trained):
     """A tiny random Llama with SmolLM2's tokenizer, and an EAGLE-3 draft for it, saved as folders."""
     root = tmp_path_factory.mktemp("sweep")
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    draft = make_draft(model, [1, 2, 3], 4096)
-    draft.config.target = str(root / "target")
-    draft.save_pretrained(root / "draft")
+    save_tiny_target_and_draft(root, AutoTokenizer.from_pretrained(smollm2_dir))
     return root
 
 
