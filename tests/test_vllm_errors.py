@@ -140,7 +140,8 @@ def test_vllm_cpu_on_an_mla_geometry_its_kernels_refuse_stops_in_one_line(tmp_pa
     try:
         with pytest.raises(EyasError, match=r"\(Head dimension 128 is not supported by MLA\): its latent size "
                                             r"kv_lora_rank \+ qk_rope_head_dim = 64 \+ 64 = 128, and vLLM's MLA "
-                                            r"kernels take latent sizes \[.*576\].*Use --engine hf") as e:
+                                            r"kernels take latent sizes \[.*576\].*Run this target in transformers "
+                                            r"instead") as e:
             eng.capture([torch.arange(10)])
         one_line(e.value)
     finally:
