@@ -43,7 +43,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import interleaved, spread, sync  # noqa: E402
+from common import interleaved, random_prepared, spread, sync  # noqa: E402
 
 from eyas.engines.hf import HFEngine  # noqa: E402
 from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
@@ -63,21 +63,11 @@ MODES = {"background": (None, True), "upfront": (None, False), "eager": (False, 
 
 
 def make_prepared(folder: Path, tokens: int, steps: int, vocab: int) -> Path:
-    """Random conversations of about tokens/8 tokens each (the loss on their last three quarters), enough for
-    `steps` packed rows: several documents a row, as ShareGPT packs."""
-    from eyas.data.prepared import PreparedWriter
-
-    rng = np.random.default_rng(0)
-    w = PreparedWriter(folder, vocab_size=vocab)
+    """Random conversations of about tokens/8 tokens each, enough for `steps` packed rows: several documents a
+    row, as ShareGPT packs."""
     mean = max(8, tokens // 8)
-    for _ in range(12 * steps):
-        n = int(rng.integers(mean // 2, 3 * mean // 2))
-        mask = np.zeros(n, dtype=np.uint8)
-        mask[n // 4:] = 1
-        w.add(rng.integers(0, vocab, n), mask)
-    w.finish(tokenizer="random", chat_template_sha256="", max_length=tokens, skipped={}, truncated=0,
-             options_sha256=f"cold-start-{tokens}-{steps}", sources=[])
-    return folder
+    lengths = np.random.default_rng(1).integers(mean // 2, 3 * mean // 2, 12 * steps).tolist()
+    return random_prepared(folder, lengths, vocab, tokens, f"cold-start-{tokens}-{steps}")
 
 
 def make_target(shape: str, dev: torch.device, dtype: torch.dtype, tokens: int) -> torch.nn.Module:

@@ -15,9 +15,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import torch
+
+from eyas.data.prepared import PreparedWriter
 
 T = TypeVar("T")
 
@@ -90,3 +94,17 @@ def verdict(ratio: Spread, goal: float) -> str:
     if ratio.high >= goal:
         return "not met (its range crosses the goal)"
     return "not met"
+
+
+def random_prepared(folder: Path, lengths: list[int], vocab: int, max_length: int, tag: str) -> Path:
+    """A prepared dataset of random sequences of the given lengths, the loss on their last three quarters:
+    what the speed benchmarks train on (the tokens' values do not change a step's cost)."""
+    rng = np.random.default_rng(0)
+    w = PreparedWriter(folder, vocab_size=vocab)
+    for n in lengths:
+        mask = np.zeros(n, dtype=np.uint8)
+        mask[n // 4:] = 1
+        w.add(rng.integers(0, vocab, n), mask)
+    w.finish(tokenizer="random", chat_template_sha256="", max_length=max_length, skipped={}, truncated=0,
+             options_sha256=tag, sources=[])
+    return folder

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Spread, interleaved, paired_ratio, spread, sync, verdict  # noqa: E402
+from common import Spread, interleaved, paired_ratio, random_prepared, spread, sync, verdict  # noqa: E402
 
 from eyas.engines.hf import HFEngine  # noqa: E402
 from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
@@ -75,17 +75,7 @@ def make_target(shape: str, dev: torch.device, dtype: torch.dtype, tokens: int) 
 
 def make_prepared(folder: Path, n: int, tokens: int, vocab: int) -> Path:
     """`n` random sequences of `tokens` tokens, the loss on their last three quarters."""
-    from eyas.data.prepared import PreparedWriter
-
-    rng = np.random.default_rng(0)
-    w = PreparedWriter(folder, vocab_size=vocab)
-    for _ in range(n):
-        mask = np.zeros(tokens, dtype=np.uint8)
-        mask[tokens // 4:] = 1
-        w.add(rng.integers(0, vocab, tokens), mask)
-    w.finish(tokenizer="random", chat_template_sha256="", max_length=tokens, skipped={}, truncated=0,
-             options_sha256=f"bench-{n}-{tokens}", sources=[])
-    return folder
+    return random_prepared(folder, [tokens] * n, vocab, tokens, f"bench-{n}-{tokens}")
 
 
 def make_trainer(engine: HFEngine, shape: str, dev: torch.device, ttt: int, tokens: int,
