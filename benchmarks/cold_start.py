@@ -43,7 +43,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import interleaved, random_prepared, spread, sync  # noqa: E402
+from common import interleaved, random_llama, random_prepared, spread, sync  # noqa: E402
 
 from eyas.engines.hf import HFEngine  # noqa: E402
 from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
@@ -71,15 +71,8 @@ def make_prepared(folder: Path, tokens: int, steps: int, vocab: int) -> Path:
 
 
 def make_target(shape: str, dev: torch.device, dtype: torch.dtype, tokens: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    h, ffn, layers, heads, kv, vocab, _, _ = SHAPES[shape]
-    cfg = LlamaConfig(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=max(8192, 2 * tokens),
-                      rope_theta=100000.0, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    """A random-weight Llama of `shape`, built in `dtype` on `dev`."""
+    return random_llama(SHAPES[shape][:6], tokens, dev, dtype, rope_theta=100000.0, tie=True)
 
 
 def make_trainer(engine: HFEngine, shape: str, dev: torch.device, tokens: int, mode: str) -> Trainer:

@@ -108,3 +108,18 @@ def random_prepared(folder: Path, lengths: list[int], vocab: int, max_length: in
     w.finish(tokenizer="random", chat_template_sha256="", max_length=max_length, skipped={}, truncated=0,
              options_sha256=tag, sources=[])
     return folder
+
+
+def random_llama(dims: Sequence[int], tokens: int, dev: torch.device, dtype: torch.dtype, rope_theta: float,
+                 tie: bool) -> torch.nn.Module:
+    """A random-weight Llama of dims (hidden, FFN, layers, heads, KV heads, vocabulary), built in `dtype` on
+    `dev`: no download, no float32 copy of a large target."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    h, ffn, layers, heads, kv, vocab = dims
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=max(8192, 2 * tokens),
+                      rope_theta=rope_theta, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()

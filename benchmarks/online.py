@@ -41,7 +41,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Spread, interleaved, paired_ratio, random_prepared, spread, sync, verdict  # noqa: E402
+from common import (  # noqa: E402
+    Spread,
+    interleaved,
+    paired_ratio,
+    random_llama,
+    random_prepared,
+    spread,
+    sync,
+    verdict,
+)
 
 from eyas.engines.hf import HFEngine  # noqa: E402
 from eyas.model.config import DraftConfig, DraftOptions  # noqa: E402
@@ -61,16 +70,8 @@ GOAL_SERIAL, GOAL_PEER = 0.9, 2.0
 
 
 def make_target(shape: str, dev: torch.device, dtype: torch.dtype, tokens: int) -> torch.nn.Module:
-    """A random-weight Llama of `shape`, built in `dtype` on `dev` (no download, no fp32 copy of 8B)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    h, ffn, layers, heads, kv, vocab, _ = SHAPES[shape]
-    cfg = LlamaConfig(hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=max(8192, 2 * tokens),
-                      rope_theta=500000.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(dev):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    """A random-weight Llama of `shape`, built in `dtype` on `dev`."""
+    return random_llama(SHAPES[shape][:6], tokens, dev, dtype, rope_theta=500000.0, tie=False)
 
 
 def make_prepared(folder: Path, n: int, tokens: int, vocab: int) -> Path:
